@@ -1,0 +1,206 @@
+"""Config models for the serving side: fleet, gateway, workers, queue, serving profile.
+
+Every model forbids unknown keys so a typo in YAML is an error, not a silently ignored setting.
+Stage-specific configs (training, research, tuning) live in their own stage.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+PACKAGED_MINILM = "all-MiniLM-L6-v2"
+
+
+class ConfigError(ValueError):
+    """A config file or value that cannot be used; the message says what to fix."""
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ServingProfile(StrictModel):
+    """How a worker forms batches; tuned per bundle by `lorafleet tune`."""
+
+    max_batch_items: int = Field(32, ge=1, le=4096, description="Most inputs in one batch.")
+    max_batch_tokens: int = Field(
+        4096, ge=1, description="Token budget of one batch, counted as items × longest item (padding)."
+    )
+    max_wait_ms: float = Field(
+        2.0, ge=0, le=1000, description="How long an idle worker waits for more tasks to fill a batch."
+    )
+    batches_in_flight: int = Field(
+        2, ge=1, le=64, description="Batches pulled ahead of the one being computed (pipelining)."
+    )
+
+
+class QueueConfig(StrictModel):
+    """The JetStream work queue shared by gateways and workers."""
+
+    stream: str = "LORAFLEET_WORK"
+    dlq_stream: str = "LORAFLEET_DLQ"
+    storage: Literal["file", "memory"] = "file"
+    max_msgs: int = Field(100_000, ge=1, description="Bound of the work stream; beyond it the gateway answers 429.")
+    max_bytes: int = Field(512 * 1024 * 1024, ge=1024)
+    duplicate_window_s: float = Field(120.0, gt=0)
+    ack_wait_s: float = Field(10.0, gt=0, description="Redelivery after this long without ack or progress.")
+    max_deliver: int = Field(5, ge=1)
+    backoff_s: list[float] | None = Field(
+        None, description="Redelivery delays per attempt; default doubles from ack_wait_s."
+    )
+    nak_delay_s: float = Field(0.5, ge=0, description="Delay before a failed batch's tasks are retried.")
+    max_ack_pending: int = Field(20_000, ge=1)
+    dlq_max_age_s: float = Field(7 * 24 * 3600.0, gt=0)
+
+    @model_validator(mode="after")
+    def _check_backoff(self) -> QueueConfig:
+        if self.backoff_s is not None and len(self.backoff_s) > self.max_deliver:
+            raise ValueError("backoff_s may not have more entries than max_deliver")
+        return self
+
+    def effective_backoff(self) -> list[float]:
+        if self.backoff_s is not None:
+            return list(self.backoff_s)
+        return [self.ack_wait_s * 2**i for i in range(max(self.max_deliver - 1, 1))]
+
+
+class BaseModelSpec(StrictModel):
+    """A base model the fleet serves; its served name is `name`."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    source: str = Field(
+        PACKAGED_MINILM,
+        description="'all-MiniLM-L6-v2' (the packaged copy), a Hugging Face hub id, or a local folder.",
+    )
+    revision: str | None = None
+    runtime: Literal["sentence-transformers"] = "sentence-transformers"
+    max_seq_length: int | None = Field(None, ge=8)
+    normalize: bool | None = Field(None, description="None: as the model's own config says.")
+
+
+class ServedModel(StrictModel):
+    """A served name that resolves to a base model plus a LoRA adapter."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._@-]*$")
+    base: str
+    adapter: str = Field(description="Adapter directory (peft format) or a URI the workers can fetch.")
+    adapter_id: str | None = Field(None, description="Cache key for workers; defaults to the served name.")
+    profile: ServingProfile | None = None
+
+    @property
+    def resolved_adapter_id(self) -> str:
+        return self.adapter_id or self.name
+
+
+class GatewayConfig(StrictModel):
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    api_keys: list[str] = Field(default_factory=list, description="Also from LORAFLEET_API_KEYS (comma-separated).")
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    max_inputs: int = Field(2048, ge=1, description="Most inputs in one request.")
+    max_input_tokens: int = Field(
+        512, ge=1, description="Longest input accepted, in model tokens; longer inputs get 400."
+    )
+    default_deadline_s: float = Field(30.0, gt=0)
+    max_deadline_s: float = Field(300.0, gt=0)
+    worker_liveness_s: float = Field(
+        5.0, gt=0, description="A worker whose last heartbeat is older than this no longer counts as serving."
+    )
+    retry_after_s: int = Field(1, ge=1)
+
+
+class WorkerConfig(StrictModel):
+    profile: ServingProfile = Field(default_factory=ServingProfile)
+    max_adapters: int = Field(8, ge=1, description="Adapters kept in memory per base; LRU beyond it.")
+    heartbeat_s: float = Field(1.0, gt=0)
+    device: str = Field("auto", description="'auto', 'cpu', 'cuda', 'cuda:0', …")
+    drain_timeout_s: float = Field(30.0, gt=0, description="On SIGTERM, how long to finish in-flight work.")
+
+
+class FleetConfig(StrictModel):
+    """A whole serving cluster: which models it serves and how its parts behave."""
+
+    nats_url: str = "nats://127.0.0.1:4222"
+    bases: list[BaseModelSpec] = Field(default_factory=lambda: [BaseModelSpec(name=PACKAGED_MINILM)])
+    models: list[ServedModel] = Field(default_factory=list)
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
+    worker: WorkerConfig = Field(default_factory=WorkerConfig)
+    queue: QueueConfig = Field(default_factory=QueueConfig)
+
+    @field_validator("bases")
+    @classmethod
+    def _unique_bases(cls, bases: list[BaseModelSpec]) -> list[BaseModelSpec]:
+        names = [b.name for b in bases]
+        if len(set(names)) != len(names):
+            raise ValueError(f"base model names must be unique, got {names}")
+        return bases
+
+    @model_validator(mode="after")
+    def _check_models(self) -> FleetConfig:
+        bases = {b.name for b in self.bases}
+        seen = set(bases)
+        for m in self.models:
+            if m.base not in bases:
+                raise ValueError(f"served model {m.name!r} names base {m.base!r}, not among bases {sorted(bases)}")
+            if m.name in seen:
+                raise ValueError(f"served name {m.name!r} is used twice")
+            seen.add(m.name)
+        return self
+
+    def base(self, name: str) -> BaseModelSpec:
+        for b in self.bases:
+            if b.name == name:
+                return b
+        raise KeyError(name)
+
+
+def load_yaml_model(model: type[StrictModel], path: str | Path, section: str | None = None) -> Any:
+    """Load `path` (optionally one top-level `section` of it) into `model`, with readable errors."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
+    if section is not None:
+        if not isinstance(raw, dict) or section not in raw:
+            raise ConfigError(f"{path} has no top-level '{section}:' section")
+        raw = raw[section] or {}
+    return validate_model(model, raw, source=str(path))
+
+
+def validate_model(model: type[StrictModel], raw: Any, source: str = "config") -> Any:
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, source)) from exc
+
+
+def format_validation_error(exc: ValidationError, source: str) -> str:
+    lines = [f"{source}: {exc.error_count()} invalid setting(s)"]
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "(root)"
+        msg = "unknown key (check the spelling)" if err["type"] == "extra_forbidden" else err["msg"]
+        lines.append(f"  {loc}: {msg}")
+    return "\n".join(lines)
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `key.sub=value` overrides (values parsed as YAML) to a raw config dict."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key=value (e.g. train.epochs=2)")
+        key, value = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = raw
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {p} is not a section")
+        node[parts[-1]] = yaml.safe_load(value)
+    return raw

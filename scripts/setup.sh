@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Creates .venv (if missing) and installs lorafleet with its pinned dependencies.
+# torch goes first so that pip takes the CPU build instead of a multi-GB CUDA one.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+.venv/bin/python -m pip install -q torch==2.13.0
+.venv/bin/python -m pip install -q -e '.[dev]'
+echo "lorafleet installed in .venv ($(.venv/bin/lorafleet --version 2>/dev/null || echo '?'))"

@@ -1,0 +1,1 @@
+"""lorafleet.train"""
