@@ -66,3 +66,30 @@ def build_tiny_model(out_dir: str | Path, *, hidden: int = 32, layers: int = 2, 
     model.save(str(out))
     shutil.rmtree(raw_dir, ignore_errors=True)
     return out
+
+
+def make_random_adapter(base_model: str | Path, out_dir: str | Path, *, seed: int = 0, r: int = 4,
+                        scale: float = 0.5) -> Path:
+    """Save a LoRA adapter with random (non-identity) weights for `base_model`, in peft format.
+
+    peft initialises B to zero, which would make the adapter a no-op; `init_lora_weights=False`
+    gives random A and B so that each adapter visibly changes the embeddings.
+    """
+    import torch
+    from peft import LoraConfig
+    from sentence_transformers import SentenceTransformer
+
+    from lorafleet.models import resolve_model_source
+
+    torch.manual_seed(seed)
+    model = SentenceTransformer(resolve_model_source(str(base_model)), device="cpu")
+    model.add_adapter(LoraConfig(r=r, lora_alpha=r, target_modules=["query", "value"], init_lora_weights=False))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.mul_(scale)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    # Only the adapter, in plain peft format (adapter_config.json + adapter_model.safetensors).
+    model[0].auto_model.save_pretrained(str(out))
+    return out
