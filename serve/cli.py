@@ -27,9 +27,8 @@ def up(
     timeout: float = typer.Option(300.0, help="Seconds to wait for the cluster to become ready."),
 ) -> None:
     """Start a local cluster: embedded nats-server, N workers and the gateway, under LORAFLEET_HOME."""
-    from lorafleet.serve.cluster import ClusterError, LocalCluster, load_fleet
-
     from lorafleet.config import ConfigError
+    from lorafleet.serve.cluster import ClusterError, LocalCluster, load_fleet
 
     if fleet is None and DEFAULT_FLEET.is_file():
         fleet = DEFAULT_FLEET
@@ -90,10 +89,9 @@ def status(as_json: bool = typer.Option(False, "--json", help="Machine-readable 
     """Workers, models, adapters, queue depth and consumer lag of the local cluster."""
     import asyncio
 
-    from lorafleet.serve.cluster import ClusterError, ClusterState, collect_status, pid_alive
-
     from lorafleet import settings
     from lorafleet.config import FleetConfig, load_yaml_model
+    from lorafleet.serve.cluster import ClusterError, ClusterState, collect_status, pid_alive
 
     try:
         state = ClusterState.load(settings.home())
@@ -144,9 +142,9 @@ def embed(
 ) -> None:
     """Embed TEXTs through the gateway and print the vectors."""
     import httpx
-    from lorafleet.serve.cluster import ClusterError, ClusterState
 
     from lorafleet import settings
+    from lorafleet.serve.cluster import ClusterError, ClusterState
 
     if url is None:
         try:
