@@ -37,6 +37,18 @@ def _register() -> None:
     from lorafleet.serve import cli as serve_cli
 
     serve_cli.register(app)
+    from lorafleet.train import cli as train_cli
+
+    train_cli.register(app)
+    from lorafleet.research import cli as research_cli
+
+    research_cli.register(app)
+    from lorafleet.tune import cli as tune_cli
+
+    tune_cli.register(app)
+    from lorafleet.registry import cli as registry_cli
+
+    registry_cli.register(app)
 
 
 _register()

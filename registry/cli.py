@@ -1,0 +1,141 @@
+"""CLI of the registry: `registry list`, `promote`, `rollback`, `ui`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import typer
+
+registry_app = typer.Typer(help="Bundles registered in MLflow: versions, aliases, headline metrics.",
+                           no_args_is_help=True)
+
+LIST_METRICS = ("test_ndcg@10", "base_test_ndcg@10", "dev_ndcg@10")
+
+
+def _fail(message: str, code: int = 1) -> None:
+    typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
+    raise typer.Exit(code)
+
+
+def _errors() -> tuple[type[BaseException], ...]:
+    from lorafleet.config import ConfigError
+    from lorafleet.registry.bundle import BundleError
+    from lorafleet.registry.fleet_state import FleetStateError
+    from lorafleet.registry.promote import PromotionError
+    from lorafleet.registry.store import RegistryError
+
+    return (RegistryError, BundleError, PromotionError, FleetStateError, ConfigError)
+
+
+@registry_app.command("list")
+def list_cmd(name: str = typer.Argument(None, help="Only this registered model.")) -> None:
+    """Registered bundles: each version with its aliases, base model and headline metrics."""
+    from lorafleet.registry import store
+
+    try:
+        models = [(name, store.versions(name))] if name else store.list_models()
+    except _errors() as exc:
+        _fail(str(exc))
+        return
+    if not models:
+        typer.echo(f"no registered bundles in {store.tracking_uri()}")
+        return
+    header = f"  {'version':<8} {'aliases':<22} {'base':<20} " + " ".join(f"{m:>18}" for m in LIST_METRICS)
+    for model_name, infos in models:
+        typer.echo(model_name)
+        typer.echo(header)
+        for info in infos:
+            metrics = " ".join(f"{(f'{v:.4f}' if (v := info.metric(m)) is not None else '-'):>18}"
+                               for m in LIST_METRICS)
+            typer.echo(f"  v{info.version:<7} {','.join(info.aliases) or '-':<22} {info.base or '-':<20} {metrics}")
+
+
+def promote(
+    name: str = typer.Argument(..., help="Registered model name (= the served name)."),
+    version: str = typer.Option(None, "--version", "-v", help="Version (default: alias 'candidate', else newest)."),
+    force: bool = typer.Option(False, "--force", help="Skip the quality gate."),
+    margin: float = typer.Option(None, "--margin", help="Required test nDCG@10 gain over the base model "
+                                 "(default: $LORAFLEET_PROMOTE_MARGIN, else 0)."),
+    nats_url: str = typer.Option(None, "--nats-url", help="Cluster to update (default: LORAFLEET_HOME/cluster.json)."),
+    fleet: Path = typer.Option(None, "--fleet", help="Fleet YAML of that cluster (to check its base models)."),
+) -> None:
+    """Quality gate → alias 'champion' → live fleet state: gateways and workers switch without a restart."""
+    from lorafleet.registry.promote import promote as do_promote
+
+    try:
+        out = do_promote(name, version, force=force, margin=margin, nats_url=nats_url, fleet_file=fleet)
+    except _errors() as exc:
+        _fail(str(exc))
+        return
+    gate = out.gate
+    if gate is not None and gate.ok:
+        vs_champ = f", champion {gate.champion_score:.4f}" if gate.champion_score is not None else ""
+        typer.echo(f"gate passed: test nDCG@10 {gate.score:.4f} (base {gate.base_score:.4f} + margin "
+                   f"{gate.margin:.4f}{vs_champ})")
+    elif gate is not None:
+        typer.secho("gate FAILED but --force given: " + "; ".join(gate.reasons), fg=typer.colors.YELLOW)
+    was = f" (was v{out.previous})" if out.previous and out.previous != out.version else ""
+    typer.echo(f"{name}: champion → v{out.version}{was}; fleet state published to {out.nats_url} "
+               f"(adapter {out.entry.adapter_id}, base {out.entry.base})")
+
+
+def rollback(
+    name: str = typer.Argument(..., help="Registered model name (= the served name)."),
+    nats_url: str = typer.Option(None, "--nats-url", help="Cluster to update (default: LORAFLEET_HOME/cluster.json)."),
+    fleet: Path = typer.Option(None, "--fleet", help="Fleet YAML of that cluster (to check its base models)."),
+) -> None:
+    """Move 'champion' back to the previous champion version, live."""
+    from lorafleet.registry.promote import rollback as do_rollback
+
+    try:
+        out = do_rollback(name, nats_url=nats_url, fleet_file=fleet)
+    except _errors() as exc:
+        _fail(str(exc))
+        return
+    typer.echo(f"{name}: champion → v{out.version} (rolled back from v{out.previous}); fleet state published to "
+               f"{out.nats_url}")
+
+
+def ui(
+    port: int = typer.Option(5000, "--port", "-p", help="Port of the MLflow UI."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Interface to listen on."),
+) -> None:
+    """Start the MLflow UI on the lorafleet store (Ctrl-C stops it)."""
+    from lorafleet import settings
+
+    uri = settings.mlflow_tracking_uri()
+    argv = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri, "--host", host,
+            "--port", str(port), "--workers", "1"]
+    if uri.startswith("sqlite:"):
+        argv += ["--default-artifact-root", settings.mlflow_artifact_root()]
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_DISABLE_TELEMETRY": "true",
+           "DO_NOT_TRACK": "1"}
+    typer.echo(f"MLflow UI on http://{host}:{port}  (store {uri}); Ctrl-C stops it")
+    # Own process group: Ctrl-C here stops the server and every worker it forked, nothing else.
+    proc = subprocess.Popen(argv, env=env, start_new_session=True)
+
+    def _stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        code = proc.wait()
+    except KeyboardInterrupt:
+        from lorafleet.serve.cluster import stop_group
+
+        stop_group(proc.pid, 10.0, "mlflow")
+        typer.echo("MLflow UI stopped")
+        return
+    if code:
+        _fail(f"mlflow server exited with code {code}")
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(registry_app, name="registry")
+    app.command("promote")(promote)
+    app.command("rollback")(rollback)
+    app.command("ui")(ui)

@@ -1,0 +1,348 @@
+"""Bundles in MLflow: register a bundle folder as a model version, aliases, listing, verified download.
+
+A bundle is a plain artifact folder (not an MLflow flavour): it is logged under a run and registered
+with `MlflowClient.create_model_version(name, source=<artifact uri>, run_id=…)`. The version's tags
+carry the headline metrics (MLflow forbids '@' in tag keys, so `test_ndcg@10` is tagged
+`test_ndcg_at_10`) and the sha256 of bundle.yaml, which pins the whole bundle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from lorafleet import settings
+from lorafleet.config import ServingProfile
+from lorafleet.registry.bundle import (
+    ADAPTER_DIR,
+    BUNDLE_FILE,
+    BundleError,
+    BundleIntegrityError,
+    BundleSpec,
+    build_bundle,
+    read_spec,
+    sha256_file,
+    verify_bundle,
+)
+
+os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+
+BUNDLE_EXPERIMENT = "lorafleet-bundles"
+CANDIDATE = "candidate"
+CHAMPION = "champion"
+TAG_SPEC_SHA = "bundle_sha256"
+TAG_BASE = "base_model"
+TAG_DIGEST = "dataset_digest"
+TAG_HISTORY = "lorafleet.champion_history"  # registered-model tag: champion versions, oldest first
+HEADLINE = ("test_ndcg@10", "base_test_ndcg@10", "bm25_test_ndcg@10", "dev_ndcg@10", "base_dev_ndcg@10",
+            "test_mrr@10", "test_recall@10")
+
+
+class RegistryError(RuntimeError):
+    """The registry cannot do what was asked (unknown name/version, unreachable store); nothing was changed."""
+
+
+class StoreUnreachable(RegistryError):
+    """The MLflow store did not answer; retrying later may work."""
+
+
+class BundleRef(NamedTuple):
+    name: str
+    version: str
+
+
+@dataclass
+class VersionInfo:
+    name: str
+    version: str
+    source: str
+    run_id: str | None
+    aliases: list[str] = field(default_factory=list)
+    tags: dict[str, str] = field(default_factory=dict)
+
+    def metric(self, name: str) -> float | None:
+        raw = self.tags.get(metric_tag(name))
+        try:
+            return float(raw) if raw is not None else None
+        except ValueError:
+            return None
+
+    @property
+    def base(self) -> str | None:
+        return self.tags.get(TAG_BASE)
+
+
+def metric_tag(name: str) -> str:
+    """MLflow tag/metric key for a metric name ('@' is not allowed in MLflow keys)."""
+    return name.replace("@", "_at_")
+
+
+def tracking_uri() -> str:
+    return settings.mlflow_tracking_uri()
+
+
+def client() -> Any:
+    """An MlflowClient on the lorafleet store, checked to answer; RegistryError if it cannot be reached."""
+    from mlflow import MlflowClient
+
+    uri = tracking_uri()
+    c = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    try:
+        c.search_registered_models(max_results=1)
+    except Exception as exc:  # sqlalchemy, requests and MlflowException alike
+        raise StoreUnreachable(f"cannot reach the MLflow store at {uri}: {type(exc).__name__}: {exc}") from exc
+    return c
+
+
+def _is_not_found(exc: Exception) -> bool:
+    return getattr(exc, "error_code", "") in ("RESOURCE_DOES_NOT_EXIST", "NOT_FOUND", "INVALID_PARAMETER_VALUE")
+
+
+def _bundle_experiment(c: Any) -> str:
+    exp = c.get_experiment_by_name(BUNDLE_EXPERIMENT)
+    if exp is not None:
+        return exp.experiment_id
+    try:
+        return c.create_experiment(BUNDLE_EXPERIMENT, artifact_location=f"{settings.mlflow_artifact_root()}/bundles")
+    except Exception:  # created concurrently
+        return c.get_experiment_by_name(BUNDLE_EXPERIMENT).experiment_id
+
+
+def register_bundle(name: str, adapter_dir: str | Path, *, base_source: str, base_name: str | None = None,
+                    base_revision: str | None = None, profile: ServingProfile | None = None,
+                    profile_source: str = "default", metrics: dict[str, float] | None = None,
+                    dataset_digest: str | None = None, report_paths: list[Path] | None = None,
+                    max_seq_length: int | None = None, run_id: str | None = None, alias: str | None = None,
+                    description: str | None = None, extra_tags: dict[str, str] | None = None) -> BundleRef:
+    """Build the bundle, log it under `run_id` (or a new run in the bundles experiment), register a version.
+
+    Returns (name, version). With `alias`, points it at the new version (research uses 'candidate').
+    """
+    from mlflow.entities import RunStatus
+
+    from lorafleet.registry.bundle import KEY_NAME_RE
+
+    if not KEY_NAME_RE.match(name):
+        raise RegistryError(f"bundle name {name!r} must match {KEY_NAME_RE.pattern} (it becomes a served name)")
+    c = client()
+    with tempfile.TemporaryDirectory(prefix="lorafleet-bundle-") as tmp:
+        bundle_dir = Path(tmp) / "bundle"
+        spec = build_bundle(bundle_dir, name=name, adapter_dir=Path(adapter_dir), base_source=base_source,
+                            base_name=base_name, base_revision=base_revision, profile=profile,
+                            profile_source=profile_source, metrics=metrics, dataset_digest=dataset_digest,
+                            report_paths=report_paths, max_seq_length=max_seq_length)
+        spec_sha = sha256_file(bundle_dir / BUNDLE_FILE)
+        own_run = run_id is None
+        if own_run:
+            run = c.create_run(_bundle_experiment(c), run_name=f"bundle {name}",
+                               tags={"lorafleet.kind": "bundle", TAG_BASE: spec.base.name})
+            run_id = run.info.run_id
+        else:
+            try:
+                run = c.get_run(run_id)
+            except Exception as exc:
+                raise RegistryError(f"MLflow run {run_id} does not exist in {tracking_uri()}") from exc
+        artifact_path = f"bundle-{name}"
+        try:
+            c.log_artifacts(run_id, str(bundle_dir), artifact_path)
+            if own_run:
+                for k, v in spec.metrics.items():
+                    c.log_metric(run_id, metric_tag(k), v)
+        finally:
+            if own_run:
+                c.set_terminated(run_id, RunStatus.to_string(RunStatus.FINISHED))
+    source = f"{run.info.artifact_uri.rstrip('/')}/{artifact_path}"
+    with contextlib.suppress(Exception):  # already exists
+        c.create_registered_model(name, description="lorafleet bundle (LoRA adapter + serving profile)")
+    tags = {metric_tag(k): f"{v:.6g}" for k, v in spec.metrics.items()}
+    tags.update({TAG_SPEC_SHA: spec_sha, TAG_BASE: spec.base.name, "runtime": spec.runtime,
+                 "profile_source": spec.profile_source})
+    if "test_ndcg@10" in spec.metrics and "base_test_ndcg@10" in spec.metrics:
+        tags["test_ndcg_gain"] = f"{spec.metrics['test_ndcg@10'] - spec.metrics['base_test_ndcg@10']:.6g}"
+    if dataset_digest:
+        tags[TAG_DIGEST] = dataset_digest
+    tags.update(extra_tags or {})
+    mv = c.create_model_version(name, source, run_id=run_id, tags=tags, description=description)
+    version = str(mv.version)
+    if alias:
+        c.set_registered_model_alias(name, alias, version)
+    return BundleRef(name, version)
+
+
+def _registered(c: Any, name: str) -> Any:
+    try:
+        return c.get_registered_model(name)
+    except Exception as exc:
+        if not _is_not_found(exc):
+            raise RegistryError(f"MLflow store {tracking_uri()}: {exc}") from exc
+        known = sorted(m.name for m in c.search_registered_models())
+        raise RegistryError(f"no registered model named {name!r} (known: {', '.join(known) or 'none'})") from exc
+
+
+def _info(mv: Any, aliases: list[str]) -> VersionInfo:
+    return VersionInfo(name=mv.name, version=str(mv.version), source=mv.source, run_id=mv.run_id,
+                       aliases=aliases, tags=dict(mv.tags or {}))
+
+
+def versions(name: str) -> list[VersionInfo]:
+    """All versions of `name`, oldest first; RegistryError if the name is unknown."""
+    c = client()
+    rm = _registered(c, name)
+    by_version: dict[str, list[str]] = {}
+    for alias, v in (rm.aliases or {}).items():
+        by_version.setdefault(str(v), []).append(alias)
+    mvs = c.search_model_versions(f"name = '{name}'")
+    return sorted((_info(mv, sorted(by_version.get(str(mv.version), []))) for mv in mvs),
+                  key=lambda i: int(i.version))
+
+
+def get_version(name: str, ref: str | int | None) -> VersionInfo:
+    """`ref`: a version number, 'vN', an alias, or None for the newest version."""
+    all_versions = versions(name)
+    if not all_versions:
+        raise RegistryError(f"registered model {name!r} has no versions")
+    if ref is None:
+        return all_versions[-1]
+    ref = str(ref)
+    digits = ref[1:] if ref[:1] in ("v", "V") and ref[1:].isdigit() else ref
+    if digits.isdigit():
+        for info in all_versions:
+            if info.version == digits:
+                return info
+        raise RegistryError(f"model {name!r} has no version {ref} (versions: "
+                            f"{', '.join(i.version for i in all_versions)})")
+    for info in all_versions:
+        if ref in info.aliases:
+            return info
+    aliases = sorted({a for i in all_versions for a in i.aliases})
+    raise RegistryError(f"model {name!r} has no alias {ref!r} (aliases: {', '.join(aliases) or 'none'})")
+
+
+def alias_version(name: str, alias: str) -> str | None:
+    c = client()
+    rm = _registered(c, name)
+    v = (rm.aliases or {}).get(alias)
+    return str(v) if v is not None else None
+
+
+def set_alias(name: str, alias: str, version: str | int) -> None:
+    info = get_version(name, version)
+    client().set_registered_model_alias(name, alias, info.version)
+
+
+def delete_alias(name: str, alias: str) -> None:
+    with contextlib.suppress(Exception):
+        client().delete_registered_model_alias(name, alias)
+
+
+def champion_history(name: str) -> list[str]:
+    rm = _registered(client(), name)
+    raw = (rm.tags or {}).get(TAG_HISTORY, "")
+    return [v for v in raw.split(",") if v]
+
+
+def set_champion_history(name: str, history: list[str]) -> None:
+    client().set_registered_model_tag(name, TAG_HISTORY, ",".join(history[-50:]))
+
+
+def list_models() -> list[tuple[str, list[VersionInfo]]]:
+    c = client()
+    return [(rm.name, versions(rm.name)) for rm in sorted(c.search_registered_models(), key=lambda m: m.name)]
+
+
+def download_bundle(name: str, ref: str | int | None, dest: str | Path, *, reuse: bool = True) -> Path:
+    """Download version `ref` (number or alias) of bundle `name` into `dest`, verifying every sha256.
+
+    `dest` must not exist, be empty, or (with `reuse`) already hold this very bundle, verified again.
+    A tampered or incomplete bundle raises BundleIntegrityError and leaves nothing at `dest`.
+    """
+    from mlflow.artifacts import download_artifacts
+
+    info = get_version(name, ref)
+    expected = info.tags.get(TAG_SPEC_SHA)
+    dest = Path(dest)
+    if dest.exists() and any(dest.iterdir()):
+        if reuse and (dest / BUNDLE_FILE).is_file():
+            verify_bundle(dest, expected)
+            return dest
+        raise BundleError(f"destination {dest} is not empty")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
+    try:
+        try:
+            download_artifacts(artifact_uri=info.source, dst_path=str(partial), tracking_uri=tracking_uri())
+        except Exception as exc:
+            raise BundleIntegrityError(f"cannot download bundle {name} v{info.version} from {info.source}: {exc}") \
+                from exc
+        root = partial
+        # download_artifacts of a folder URI lands its contents directly or inside a same-named folder.
+        if not (root / BUNDLE_FILE).is_file():
+            subdirs = [p for p in root.iterdir() if p.is_dir()]
+            if len(subdirs) == 1 and (subdirs[0] / BUNDLE_FILE).is_file():
+                root = subdirs[0]
+        verify_bundle(root, expected)
+        if dest.exists():
+            dest.rmdir()
+        try:
+            os.replace(root, dest)
+        except OSError:
+            # Another process (a second worker) put the same bundle there first; use it if it verifies.
+            verify_bundle(dest, expected)
+        return dest
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+def bundle_spec(name: str, ref: str | int | None) -> tuple[VersionInfo, BundleSpec]:
+    """The version and its bundle.yaml, read from the store (downloads only bundle.yaml)."""
+    from mlflow.artifacts import download_artifacts
+
+    info = get_version(name, ref)
+    with tempfile.TemporaryDirectory(prefix="lorafleet-spec-") as tmp:
+        try:
+            download_artifacts(artifact_uri=f"{info.source}/{BUNDLE_FILE}", dst_path=tmp,
+                               tracking_uri=tracking_uri())
+        except Exception as exc:
+            raise BundleIntegrityError(f"bundle {name} v{info.version} has no readable {BUNDLE_FILE} at "
+                                       f"{info.source}: {exc}") from exc
+        expected = info.tags.get(TAG_SPEC_SHA)
+        if expected and sha256_file(Path(tmp) / BUNDLE_FILE) != expected:
+            raise BundleIntegrityError(f"{BUNDLE_FILE} of {name} v{info.version} was changed after registration")
+        return info, read_spec(Path(tmp))
+
+
+def bundle_cache_dir(name: str, version: str) -> Path:
+    return settings.home() / "bundles" / name / f"v{version}"
+
+
+def fetch_adapter(name: str, ref: str | int | None) -> tuple[Path, BundleSpec, VersionInfo]:
+    """Download (cached under LORAFLEET_HOME/bundles) and verify a bundle; its adapter dir, spec and version."""
+    info = get_version(name, ref)
+    path = download_bundle(name, info.version, bundle_cache_dir(name, info.version))
+    return path / ADAPTER_DIR, read_spec(path), info
+
+
+__all__ = [
+    "CANDIDATE",
+    "CHAMPION",
+    "BundleIntegrityError",
+    "BundleRef",
+    "RegistryError",
+    "StoreUnreachable",
+    "VersionInfo",
+    "alias_version",
+    "bundle_spec",
+    "download_bundle",
+    "fetch_adapter",
+    "get_version",
+    "list_models",
+    "metric_tag",
+    "register_bundle",
+    "set_alias",
+    "versions",
+]

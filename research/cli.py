@@ -1,0 +1,109 @@
+"""`lorafleet research run|resume`: thin wrappers over `run_research`."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import typer
+
+research_app = typer.Typer(
+    help="Auto-research: an Optuna study over LoRA trainings, tracked in MLflow.", no_args_is_help=True
+)
+
+_STORAGE_HELP = ("Optuna storage URL (default: sqlite under LORAFLEET_HOME/optuna, or $LORAFLEET_OPTUNA_STORAGE). "
+                 "Use postgresql://… to drive one study from several machines.")
+
+
+def _fail(exc: Exception) -> None:
+    typer.echo(f"error: {exc}", err=True)
+    raise typer.Exit(2)
+
+
+def _finish(result: object) -> None:
+    from .report import print_summary
+    from .runner import ResearchResult
+
+    assert isinstance(result, ResearchResult)
+    print_summary(result)
+    # Hook for the ship step (tune the serving profile, register the bundle as "candidate"):
+    # when result.candidate is True, it takes result.winner_adapter_dir / winner_config / metrics.
+
+
+@research_app.command("run")
+def run_cmd(
+    config: Path = typer.Argument(..., help="YAML with 'train:' and 'research:' sections."),
+    trials: int | None = typer.Option(None, "--trials", help="Trials to finish in the study (overrides n_trials)."),
+    budget_minutes: float | None = typer.Option(None, "--budget-minutes", help="Wall-clock budget of this run."),
+    study: str | None = typer.Option(None, "--study", help="Study name (overrides research.study)."),
+    storage: str | None = typer.Option(None, "--storage", help=_STORAGE_HELP),
+    overrides: list[str] = typer.Option([], "--set", help="Override a config key, e.g. --set train.epochs=2."),
+    worker: bool = typer.Option(False, "--worker", help="Only run trials of the study; leave baseline and summary "
+                                "to the other processes."),
+    plain: bool = typer.Option(False, "--plain", help="Plain progress lines even on a terminal."),
+) -> None:
+    """Start (or join) a research study and end with the baseline-vs-winner verdict."""
+    from lorafleet.config import ConfigError
+
+    from .config import load_config
+    from .runner import run_research
+
+    if budget_minutes is not None and budget_minutes <= 0:
+        _fail(ConfigError(f"--budget-minutes must be positive, got {budget_minutes}"))
+    if trials is not None and trials < 1:
+        _fail(ConfigError(f"--trials must be at least 1, got {trials}"))
+    sets = list(overrides)
+    if study is not None:
+        sets.append(f"research.study={study}")
+    name = study or "NAME"
+    try:
+        loaded = load_config(config, sets)
+        name = loaded.research.study
+        result = run_research(loaded, n_trials=trials, budget_minutes=budget_minutes, storage=storage,
+                              worker_only=worker, progress_live=False if plain else None)
+    except ConfigError as exc:
+        _fail(exc)
+        return
+    except KeyboardInterrupt:
+        _interrupted(name)
+    _finish(result)
+
+
+def _interrupted(study: str) -> None:
+    typer.echo(f"\ninterrupted; continue with: lorafleet research resume {study}", err=True)
+    raise typer.Exit(130)
+
+
+@research_app.command("resume")
+def resume_cmd(
+    name: str = typer.Argument(..., help="Study name to continue."),
+    trials: int | None = typer.Option(None, "--trials", help="Trials to finish in the study (default: as started)."),
+    budget_minutes: float | None = typer.Option(None, "--budget-minutes", help="Wall-clock budget of this run."),
+    storage: str | None = typer.Option(None, "--storage", help=_STORAGE_HELP),
+    plain: bool = typer.Option(False, "--plain", help="Plain progress lines even on a terminal."),
+) -> None:
+    """Continue a study after a crash: interrupted trials are failed and their configurations retried."""
+    from lorafleet.config import ConfigError
+
+    from .runner import loaded_from_study, run_research
+
+    if budget_minutes is not None and budget_minutes <= 0:
+        _fail(ConfigError(f"--budget-minutes must be positive, got {budget_minutes}"))
+    try:
+        loaded = loaded_from_study(name, storage)
+        result = run_research(loaded, n_trials=trials, budget_minutes=budget_minutes, storage=storage, resume=True,
+                              progress_live=False if plain else None)
+    except ConfigError as exc:
+        _fail(exc)
+        return
+    except KeyboardInterrupt:
+        _interrupted(name)
+    _finish(result)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(research_app, name="research")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(research_app())

@@ -1,0 +1,217 @@
+"""One Optuna trial = one LoRA training by train/, tracked as one nested MLflow run.
+
+Each epoch's dev metrics go to MLflow (with the epoch as step) and the objective to the pruner;
+a pruned, failed or timed-out trial ends its MLflow run with the matching state and reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import optuna
+
+from .config import LoadedConfig, apply_params
+from .progress import Progress
+from .study import decode_params, retry_trial, suggest, worker_id
+from .tracking import Tracker
+
+
+class TrialTimeout(Exception):
+    """A trial ran past its time limit (per-trial limit or what was left of the budget)."""
+
+
+@dataclass
+class TrainAPI:
+    """The slice of lorafleet.train that research uses; swappable for pure-logic unit tests."""
+
+    TrainConfig: type
+    build_dataset: Callable[..., Any]
+    evaluate_model: Callable[..., dict[str, float]]
+    evaluate_bm25: Callable[..., dict[str, float]]
+    train_adapter: Callable[..., Any]
+    load_adapter_model: Callable[..., Any]
+    load_base_model: Callable[..., Any] | None = None
+
+    @classmethod
+    def default(cls) -> TrainAPI:
+        from lorafleet import train
+
+        try:
+            from lorafleet.train.trainer import load_base_model as load_base
+        except ImportError:  # an older train/ without it: research loads the base itself
+            load_base = None
+        return cls(TrainConfig=train.TrainConfig, build_dataset=train.build_dataset,
+                   evaluate_model=train.evaluate_model, evaluate_bm25=train.evaluate_bm25,
+                   train_adapter=train.train_adapter, load_adapter_model=train.load_adapter_model,
+                   load_base_model=None if load_base is None else
+                   lambda cfg: load_base(cfg.base_model, _device(cfg), cfg.max_seq_length))
+
+
+def _device(cfg: Any) -> str:
+    device = str(getattr(cfg, "device", "cpu"))
+    if device == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+class DatasetCache:
+    """A dataset depends on the `data` section, the tokenizer and the chunk length; trials sharing them share it."""
+
+    def __init__(self, api: TrainAPI) -> None:
+        self.api = api
+        self._cache: dict[str, Any] = {}
+
+    def get(self, cfg: Any) -> Any:
+        data = getattr(cfg, "data", None)
+        key = json.dumps([data.model_dump(mode="json") if data is not None else {}, getattr(cfg, "base_model", None),
+                          getattr(cfg, "max_seq_length", None)], sort_keys=True)
+        if key not in self._cache:
+            self._cache[key] = self.api.build_dataset(cfg)
+        return self._cache[key]
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float) -> Iterator[None]:
+    """Raise TrialTimeout inside the block after `seconds` (SIGALRM: main thread only, else epoch checks).
+
+    The alarm repeats every second until the block is left: an exception raised while Python runs a
+    finaliser or a GC callback is swallowed, and the next alarm then lands in ordinary code.
+    """
+    usable = threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
+    if not usable or seconds <= 0:
+        yield
+        return
+
+    def _alarm(signum: int, frame: object) -> None:
+        raise TrialTimeout(f"time limit of {seconds:.0f}s reached")
+
+    previous = signal.signal(signal.SIGALRM, _alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds, 1.0)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def metrics_of(result: Any) -> dict[str, float]:
+    return dict(getattr(result, "metrics", None) or (result.get("metrics") if isinstance(result, dict) else {}))
+
+
+@dataclass
+class TrialObjective:
+    loaded: LoadedConfig
+    api: TrainAPI
+    tracker: Tracker
+    parent_run_id: str
+    trials_dir: Path
+    deadline: float  # time.monotonic() when this process's budget ends
+    progress: Progress
+    datasets: DatasetCache
+    baseline: dict[str, float] = field(default_factory=dict)
+    counted: Callable[[], int] = lambda: 0
+
+    def __call__(self, trial: optuna.Trial) -> float:
+        cfg = self.loaded.research
+        objective = cfg.objective
+        retry_of = trial.user_attrs.get("retry_of")
+        params = suggest(trial, cfg.space)
+        trial.set_user_attr("worker", worker_id())
+        train_cfg = apply_params(self.loaded.train_raw, params, self.api.TrainConfig)
+        run_id = self.tracker.start_trial(self.parent_run_id, trial.number, trial.params, retry_of)
+        trial.set_user_attr("mlflow_run_id", run_id)
+        self.progress.trial_started(trial.number, self.counted(), params)
+
+        limit = min(cfg.trial_timeout_minutes * 60, self.deadline - time.monotonic())
+        started, cpu0 = time.monotonic(), time.process_time()
+        base_value = self.baseline.get(f"base_{objective}")
+
+        def on_epoch(epoch: int, metrics: dict[str, float]) -> None:
+            self.tracker.log_metrics(run_id, metrics, step=epoch)
+            value = float(metrics[objective])
+            if base_value is not None:
+                self.tracker.log_metrics(run_id, {f"{objective}_gain_vs_base": value - base_value}, step=epoch)
+            trial.report(value, epoch)
+            self.progress.epoch(trial.number, epoch, value)
+            if trial.should_prune():
+                raise optuna.TrialPruned(f"pruned after epoch {epoch}: {objective}={value:.4f}")
+            if time.monotonic() - started > limit:
+                raise TrialTimeout(f"time limit of {limit:.0f}s reached after epoch {epoch}")
+
+        def record_cost() -> dict[str, float]:
+            cost = {"cost_wall_s": time.monotonic() - started, "cost_cpu_s": time.process_time() - cpu0}
+            trial.set_user_attr("wall_s", round(cost["cost_wall_s"], 3))
+            trial.set_user_attr("cpu_s", round(cost["cost_cpu_s"], 3))
+            self.tracker.log_metrics(run_id, cost)
+            return cost
+
+        out_dir = self.trials_dir / f"trial-{trial.number:03d}"
+        try:
+            if limit <= 0:
+                raise TrialTimeout("no budget left for this trial")
+            with time_limit(limit):
+                result = self.api.train_adapter(train_cfg, self.datasets.get(train_cfg), out_dir, on_epoch=on_epoch)
+        except optuna.TrialPruned as exc:
+            record_cost()
+            self.tracker.finish_trial(run_id, "pruned", str(exc))
+            self.progress.trial_finished(trial.number, "pruned", None, self._best(trial), str(exc))
+            raise
+        except BaseException as exc:  # KeyboardInterrupt too: the run must not stay RUNNING in MLflow
+            reason = f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, KeyboardInterrupt):
+                reason = "interrupted (Ctrl-C); configuration queued again for `research resume`"
+                with contextlib.suppress(Exception):
+                    retry_trial(trial.study, trial.study._storage.get_trial(trial._trial_id),
+                                self.loaded.research.max_retries)
+            trial.set_user_attr("fail_reason", reason[:1000])
+            with contextlib.suppress(Exception):
+                record_cost()
+                self.tracker.finish_trial(run_id, "failed", reason)
+            self.progress.trial_finished(trial.number, "failed", None, self._best(trial), reason[:200])
+            raise
+
+        metrics = metrics_of(result)
+        if objective not in metrics:
+            raise KeyError(f"train_adapter returned no {objective!r} (got {sorted(metrics)})")
+        value = float(metrics[objective])
+        cost = record_cost()
+        # The final dev metrics are the last epoch's, already logged by on_epoch at that step.
+        train_cost = getattr(result, "cost", None) or {}
+        self.tracker.log_metrics(run_id, {f"train_{k}": v for k, v in dict(train_cost).items()})
+        adapter_dir = str(getattr(result, "adapter_dir", out_dir))
+        # train/ also scores test after each training; keep it beside the adapter, out of Optuna and MLflow,
+        # so that only the winner's test numbers are ever read (saves re-encoding the corpus for it).
+        test = {k: float(v) for k, v in metrics.items() if k.startswith("test_")}
+        if test:
+            (out_dir / "test_metrics.json").write_text(json.dumps(test))
+        trial.set_user_attr("adapter_dir", adapter_dir)
+        trial.set_user_attr("dev_metrics", {k: float(v) for k, v in metrics.items() if k.startswith("dev_")})
+        self.tracker.set_tags(run_id, {"lorafleet.adapter_dir": adapter_dir,
+                                       "lorafleet.dataset_digest": getattr(result, "dataset_digest", "")})
+        self.tracker.finish_trial(run_id, "complete")
+        self.progress.trial_finished(trial.number, "complete", value, self._best(trial, value),
+                                     f"{cost['cost_wall_s']:.0f}s")
+        return value
+
+    def _best(self, trial: optuna.Trial, value: float | None = None) -> tuple[int, float] | None:
+        best: tuple[int, float] | None = None
+        for t in trial.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
+            if t.value is not None and (best is None or t.value > best[1]):
+                best = (t.number, t.value)
+        if value is not None and (best is None or value > best[1]):
+            best = (trial.number, value)
+        return best
+
+
+def decoded_params(loaded: LoadedConfig, trial: optuna.trial.FrozenTrial) -> dict[str, Any]:
+    return decode_params(loaded.research.space, trial.params)

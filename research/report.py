@@ -1,0 +1,125 @@
+"""Human-facing output of a research run: PNG plots, the markdown report, the terminal table."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import optuna
+
+if TYPE_CHECKING:
+    from .runner import ResearchResult
+
+HEADLINE = ("ndcg@10", "mrr@10", "recall@1", "recall@10", "recall@100", "map@100")
+
+
+def save_plots(study: optuna.Study, out: Path) -> list[Path]:
+    """Optimisation history and parameter importances (importances need two or more complete trials)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on servers and in tests
+    import matplotlib.pyplot as plt
+    from optuna.visualization import matplotlib as ovm
+
+    written = []
+    complete = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    plots = [("optimization_history.png", ovm.plot_optimization_history)]
+    if len(complete) >= 2:
+        plots.append(("param_importances.png", ovm.plot_param_importances))
+    for name, fn in plots:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                ax = fn(study)
+            fig = ax.figure if hasattr(ax, "figure") else ax.flat[0].figure
+            fig.set_size_inches(8, 5)
+            fig.tight_layout()
+            fig.savefig(out / name, dpi=100)
+            plt.close(fig)
+            written.append(out / name)
+        except (ValueError, RuntimeError, ZeroDivisionError) as exc:  # e.g. no variance to attribute
+            (out / (name + ".txt")).write_text(f"not drawn: {exc}\n")
+    return written
+
+
+def comparison_rows(result: ResearchResult) -> list[tuple[str, list[float | None]]]:
+    """Rows (metric, [base, bm25, winner, winner seed 2]) for dev and test."""
+    rows = []
+    for split in ("dev", "test"):
+        for m in HEADLINE:
+            key = f"{split}_{m}"
+            vals = [result.baseline.get(f"base_{key}"), result.baseline.get(f"bm25_{key}"),
+                    result.winner_metrics.get(key), result.reseed_metrics.get(key)]
+            if any(v is not None for v in vals):
+                rows.append((key, vals))
+    return rows
+
+
+def _fmt(v: float | None) -> str:
+    return "–" if v is None else f"{v:.4f}"
+
+
+def render_markdown(result: ResearchResult, trials: list[dict[str, Any]], research_cfg: dict[str, Any],
+                    plots: list[str]) -> str:
+    lines = [f"# Research run `{result.study}`", "", f"**Verdict:** {result.verdict}", ""]
+    lines += [f"- objective: `{result.objective}` (chosen on dev; test only for the winner and the baseline)",
+              f"- MLflow parent run: `{result.parent_run_id}`", f"- Optuna storage: `{result.storage}`",
+              f"- trials: {json.dumps(result.trials)}", ""]
+    if result.winner_trial is not None:
+        lines += [f"## Winner: trial #{result.winner_trial}", "", "```json",
+                  json.dumps(result.winner_params, indent=2, default=str), "```", "",
+                  f"adapter: `{result.winner_adapter_dir}`", ""]
+        if result.spread:
+            lines += ["Seed spread (|seed 1 − seed 2|): " +
+                      ", ".join(f"{k} {v:.4f}" for k, v in result.spread.items()), ""]
+    lines += ["## Baseline vs winner", "", "| metric | base model | BM25 | winner | winner, seed 2 |",
+              "|---|---|---|---|---|"]
+    lines += [f"| {k} | " + " | ".join(_fmt(v) for v in vals) + " |" for k, vals in comparison_rows(result)]
+    lines += ["", "## Trials", "", "| # | state | objective | epochs run | wall s | params | note |",
+              "|---|---|---|---|---|---|---|"]
+    for t in trials:
+        params = ", ".join(f"{k}={v}" for k, v in t["params"].items())
+        note = t.get("reason") or (f"retry of #{t['retry_of']}" if t.get("retry_of") is not None else "")
+        wall = "" if t.get("wall_s") is None else f"{t['wall_s']:.0f}"
+        lines.append(f"| {t['number']} | {t['state']} | {_fmt(t['value'])} | {t['epochs_run']} | {wall} | "
+                     f"{params} | {str(note).replace('|', '/')[:120]} |")
+    if plots:
+        lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
+    lines += ["", "## Research config", "", "```json", json.dumps(research_cfg, indent=2, default=str), "```", ""]
+    return "\n".join(lines)
+
+
+def print_summary(result: ResearchResult) -> None:
+    """The end-of-run table, the MLflow run id, and how to look at it."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if not result.finalized:
+        if result.verdict:  # summarised earlier (e.g. `resume` of a finished study)
+            console.print(f"trials: {result.trials}; summarised earlier: {result.verdict}")
+        else:
+            console.print(f"trials so far: {result.trials}; this process did not write the study's summary "
+                          "(another process driving it does, or `lorafleet research resume` when all are done)")
+        console.print(f"MLflow parent run: {result.parent_run_id} (experiment lorafleet-research/{result.study})")
+        console.print("look at it: lorafleet ui")
+        return
+    table = Table(title=f"research {result.study}: baseline vs winner")
+    for col in ("metric", "base model", "BM25", "winner", "winner, seed 2"):
+        table.add_column(col, justify="left" if col == "metric" else "right")
+    for key, vals in comparison_rows(result):
+        table.add_row(key, *(_fmt(v) for v in vals))
+    console.print(table)
+    console.print(f"trials: {result.trials}")
+    if result.winner_trial is not None:
+        console.print(f"winner: trial #{result.winner_trial} {result.winner_params}")
+        console.print(f"adapter: {result.winner_adapter_dir}")
+    if result.spread:
+        console.print("seed spread: " + ", ".join(f"{k} {v:.4f}" for k, v in result.spread.items()))
+    console.print(result.verdict or "summary not written by this process")
+    console.print(f"MLflow parent run: {result.parent_run_id} (experiment lorafleet-research/{result.study})")
+    if result.report_path:
+        console.print(f"report: {result.report_path}")
+    console.print("look at it: lorafleet ui   (MLflow UI on the local store)")

@@ -1,0 +1,41 @@
+"""`python -m lorafleet.serve --fleet FLEET.yaml [--nats-url URL] [--host H] [--port P]`: run one gateway."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from lorafleet.config import ConfigError, FleetConfig, load_yaml_model
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m lorafleet.serve",
+                                description="Run the lorafleet HTTP gateway (OpenAI-compatible embeddings over NATS).")
+    p.add_argument("--fleet", required=True, help="Fleet YAML (see configs/fleet.yaml).")
+    p.add_argument("--nats-url", default=None, help="NATS server URL (default: the fleet's nats_url).")
+    p.add_argument("--host", default=None, help="Address to listen on (default: the fleet's gateway.host).")
+    p.add_argument("--port", type=int, default=None, help="Port to listen on (default: the fleet's gateway.port).")
+    p.add_argument("--gateway-id", default=None, help="Stable id for this gateway's reply inbox (default: random).")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="Log level of the gateway (uvicorn itself logs warnings and errors only).")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        fleet = load_yaml_model(FleetConfig, args.fleet)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from lorafleet.serve.gateway import run_gateway
+
+    run_gateway(fleet, nats_url=args.nats_url, host=args.host, port=args.port, gateway_id=args.gateway_id,
+                log_level="warning" if args.log_level in ("debug", "info") else args.log_level)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

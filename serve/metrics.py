@@ -1,0 +1,77 @@
+"""Prometheus metrics of one gateway, in their own registry (several apps may share a process)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Names, for dashboards and the report.
+REQUESTS = "lorafleet_gateway_requests"  # _total{route, model, code}
+REQUEST_SECONDS = "lorafleet_gateway_request_seconds"  # histogram{route}
+QUEUE_WAIT_SECONDS = "lorafleet_gateway_queue_wait_seconds"  # histogram{base}, from Result.queue_ms
+BATCH_SIZE = "lorafleet_gateway_batch_size"  # histogram{base}, from Result.batch_size
+TASKS_IN_FLIGHT = "lorafleet_gateway_tasks_in_flight"  # gauge
+DROPPED_RESULTS = "lorafleet_gateway_dropped_results"  # _total{reason=late|duplicate|malformed}
+TASKS_PUBLISHED = "lorafleet_gateway_tasks_published"  # _total{base}
+
+_LATENCY_BUCKETS = (0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2,
+                    0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class GatewayMetrics:
+    def __init__(self, tasks_in_flight: Callable[[], float]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(REQUESTS, "HTTP requests by route, served model and status code.",
+                                ["route", "model", "code"], registry=r)
+        self.request_seconds = Histogram(REQUEST_SECONDS, "Request latency inside the gateway.", ["route"],
+                                         buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_wait_seconds = Histogram(QUEUE_WAIT_SECONDS, "Task wait from enqueue to batch start.",
+                                            ["base"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.batch_size = Histogram(BATCH_SIZE, "Size of the worker batch each result came from.", ["base"],
+                                    buckets=_BATCH_BUCKETS, registry=r)
+        self.dropped_results = Counter(DROPPED_RESULTS, "Results dropped: late (request gone), duplicate, malformed.",
+                                       ["reason"], registry=r)
+        self.tasks_published = Counter(TASKS_PUBLISHED, "Tasks published to the work stream.", ["base"], registry=r)
+        # Computed at scrape time from the pending table: zero cost on the request path.
+        self.tasks_in_flight = Gauge(TASKS_IN_FLIGHT, "Tasks published and still awaiting their result.",
+                                     registry=r)
+        self.tasks_in_flight.set_function(tasks_in_flight)
+        for reason in ("late", "duplicate", "malformed"):
+            self.dropped_results.labels(reason)  # export zeros so the families always show
+
+        # Label children cached per key: .labels() costs a lock and a tuple build on every call.
+        self._request_children: dict[tuple[str, str, int], tuple[Any, Any]] = {}
+        self._result_children: dict[str, tuple[Any, Any]] = {}
+        self._published_children: dict[str, Any] = {}
+
+    def request_done(self, route: str, model: str, code: int, seconds: float) -> None:
+        key = (route, model, code)
+        children = self._request_children.get(key)
+        if children is None:
+            children = (self.requests.labels(route, model, str(code)), self.request_seconds.labels(route))
+            self._request_children[key] = children
+        children[0].inc()
+        children[1].observe(seconds)
+
+    def result_received(self, base: str, queue_ms: float, batch_size: int) -> None:
+        children = self._result_children.get(base)
+        if children is None:
+            children = (self.queue_wait_seconds.labels(base), self.batch_size.labels(base))
+            self._result_children[base] = children
+        children[0].observe(queue_ms / 1000.0)
+        children[1].observe(batch_size)
+
+    def published(self, base: str, n: int) -> None:
+        child = self._published_children.get(base)
+        if child is None:
+            child = self._published_children[base] = self.tasks_published.labels(base)
+        child.inc(n)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

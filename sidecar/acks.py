@@ -1,0 +1,79 @@
+"""The ack table: what a worker does with a task in each situation, written down as data.
+
+Every task leaves a worker through exactly one row of `ACK_TABLE`: which reply (if any) goes to
+the gateway's inbox, whether the payload goes to the dead-letter stream, and how the JetStream
+message is settled (ack / nak with delay / term). The row depends on the situation and on
+whether this delivery is the last one the consumer will make (num_delivered >= max_deliver).
+
+Adapter failures are split in two on purpose: an adapter that cannot exist for this worker
+(unknown URI scheme, missing directory, invalid adapter files) fails the same way on every
+delivery, so it is answered and dead-lettered at once; any other load error (out of memory,
+I/O hiccup) is treated as transient and retried like a failed batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from lorafleet.wire import ERR_ADAPTER, ERR_DEADLINE, ERR_MALFORMED, ERR_RUNTIME
+
+
+class Situation(StrEnum):
+    OK = "ok"  # the vector was computed
+    DEADLINE = "deadline"  # the task's deadline had passed before compute
+    MALFORMED = "malformed"  # the body is not a Task (wire.MalformedTask)
+    ADAPTER_UNAVAILABLE = "adapter_unavailable"  # permanent: the adapter cannot be resolved or is invalid
+    ADAPTER_FAILED = "adapter_failed"  # transient: loading raised something else
+    RUNTIME_FAILED = "runtime_failed"  # the batch (and the task alone) raised during encode
+    SHUTDOWN = "shutdown"  # drain timed out before the task was computed
+
+
+class Settle(StrEnum):
+    ACK = "ack"
+    NAK = "nak"
+    TERM = "term"
+
+
+REPLY_RESULT = "result"  # marker: reply with the computed vector
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    reply: str | None  # REPLY_RESULT, an error code from wire, or None (no reply)
+    settle: Settle
+    dead_letter: bool = False
+    nak_delay: bool = False  # nak after QueueConfig.nak_delay_s rather than at once
+
+
+_RESULT_ACK = Action(REPLY_RESULT, Settle.ACK)
+_DEADLINE_ACK = Action(ERR_DEADLINE, Settle.ACK)
+_RETRY = Action(None, Settle.NAK, nak_delay=True)
+
+# (situation, is_last_delivery) → action
+ACK_TABLE: dict[tuple[Situation, bool], Action] = {
+    (Situation.OK, False): _RESULT_ACK,
+    (Situation.OK, True): _RESULT_ACK,
+    (Situation.DEADLINE, False): _DEADLINE_ACK,
+    (Situation.DEADLINE, True): _DEADLINE_ACK,
+    (Situation.MALFORMED, False): Action(ERR_MALFORMED, Settle.TERM, dead_letter=True),
+    (Situation.MALFORMED, True): Action(ERR_MALFORMED, Settle.TERM, dead_letter=True),
+    (Situation.ADAPTER_UNAVAILABLE, False): Action(ERR_ADAPTER, Settle.TERM, dead_letter=True),
+    (Situation.ADAPTER_UNAVAILABLE, True): Action(ERR_ADAPTER, Settle.TERM, dead_letter=True),
+    (Situation.ADAPTER_FAILED, False): _RETRY,
+    (Situation.ADAPTER_FAILED, True): Action(ERR_ADAPTER, Settle.TERM, dead_letter=True),
+    (Situation.RUNTIME_FAILED, False): _RETRY,
+    (Situation.RUNTIME_FAILED, True): Action(ERR_RUNTIME, Settle.TERM, dead_letter=True),
+    # Draining worker gives the task back at once so another worker takes it without delay.
+    (Situation.SHUTDOWN, False): Action(None, Settle.NAK),
+    (Situation.SHUTDOWN, True): Action(ERR_RUNTIME, Settle.TERM, dead_letter=True),
+}
+
+
+def is_last_delivery(num_delivered: int | None, max_deliver: int) -> bool:
+    return (num_delivered or 1) >= max_deliver
+
+
+def decide(situation: Situation, num_delivered: int | None, max_deliver: int) -> Action:
+    """The action for one task; `num_delivered` comes from the JetStream message metadata."""
+    return ACK_TABLE[(situation, is_last_delivery(num_delivered, max_deliver))]

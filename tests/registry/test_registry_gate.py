@@ -1,0 +1,41 @@
+"""The promotion gate as pure logic: champion, base + margin, missing metrics."""
+
+from __future__ import annotations
+
+from lorafleet.registry.promote import check_gate
+from lorafleet.registry.store import VersionInfo
+
+
+def _v(version: str, score: float | None, base: float | None = 0.40) -> VersionInfo:
+    tags = {}
+    if score is not None:
+        tags["test_ndcg_at_10"] = str(score)
+    if base is not None:
+        tags["base_test_ndcg_at_10"] = str(base)
+    return VersionInfo(name="legal", version=version, source="file:///x", run_id=None, tags=tags)
+
+
+def test_passes_above_base_and_champion() -> None:
+    gate = check_gate(_v("3", 0.50), _v("2", 0.48), margin=0.05)
+    assert gate.ok and gate.reasons == [] and gate.champion_score == 0.48
+
+
+def test_fails_below_champion_by_how_much() -> None:
+    gate = check_gate(_v("3", 0.47), _v("2", 0.50), margin=0.0)
+    assert not gate.ok
+    assert gate.reasons == ["test_ndcg@10 0.4700 is 0.0300 below the champion v2's 0.5000"]
+
+
+def test_fails_below_base_plus_margin() -> None:
+    gate = check_gate(_v("1", 0.42), None, margin=0.05)
+    assert not gate.ok
+    assert gate.reasons == ["test_ndcg@10 0.4200 is 0.0300 below the base model's 0.4000 + margin 0.0500"]
+
+
+def test_same_version_as_champion_is_not_compared_with_itself() -> None:
+    assert check_gate(_v("2", 0.45), _v("2", 0.45), margin=0.0).ok
+
+
+def test_missing_metrics_fail() -> None:
+    assert "has no test_ndcg@10 tag" in check_gate(_v("1", None), None, 0.0).reasons[0]
+    assert "has no base_test_ndcg@10 tag" in check_gate(_v("1", 0.5, base=None), None, 0.0).reasons[0]

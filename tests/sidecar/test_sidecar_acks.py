@@ -1,0 +1,57 @@
+"""The ack table: every situation, first and last delivery."""
+
+from __future__ import annotations
+
+import pytest
+
+from lorafleet.sidecar.acks import ACK_TABLE, REPLY_RESULT, Settle, Situation, decide, is_last_delivery
+from lorafleet.wire import ERR_ADAPTER, ERR_DEADLINE, ERR_MALFORMED, ERR_RUNTIME
+
+
+def test_table_covers_every_situation_on_both_deliveries() -> None:
+    assert set(ACK_TABLE) == {(s, last) for s in Situation for last in (False, True)}
+
+
+def test_nothing_is_dropped_silently() -> None:
+    # A task either gets a reply and leaves the queue, or stays for a retry (nak); term always dead-letters.
+    for (situation, _), action in ACK_TABLE.items():
+        if action.settle is Settle.TERM:
+            assert action.dead_letter and action.reply is not None, situation
+        if action.settle is Settle.ACK:
+            assert action.reply is not None and not action.dead_letter, situation
+
+
+@pytest.mark.parametrize("delivered", [1, 4, 5, 9])
+def test_success_and_deadline_ack_on_any_delivery(delivered: int) -> None:
+    assert decide(Situation.OK, delivered, 5).reply == REPLY_RESULT
+    assert decide(Situation.OK, delivered, 5).settle is Settle.ACK
+    act = decide(Situation.DEADLINE, delivered, 5)
+    assert (act.reply, act.settle, act.dead_letter) == (ERR_DEADLINE, Settle.ACK, False)
+
+
+def test_malformed_and_permanent_adapter_failure_term_and_dead_letter_at_once() -> None:
+    act = decide(Situation.MALFORMED, 1, 5)
+    assert (act.reply, act.settle, act.dead_letter) == (ERR_MALFORMED, Settle.TERM, True)
+    act = decide(Situation.ADAPTER_UNAVAILABLE, 1, 5)
+    assert (act.reply, act.settle, act.dead_letter) == (ERR_ADAPTER, Settle.TERM, True)
+
+
+@pytest.mark.parametrize(("situation", "code"), [(Situation.RUNTIME_FAILED, ERR_RUNTIME),
+                                                 (Situation.ADAPTER_FAILED, ERR_ADAPTER)])
+def test_failures_retry_with_delay_until_the_last_delivery(situation: Situation, code: str) -> None:
+    for delivered in (1, 2, 3, 4):
+        act = decide(situation, delivered, 5)
+        assert (act.reply, act.settle, act.nak_delay, act.dead_letter) == (None, Settle.NAK, True, False)
+    act = decide(situation, 5, 5)
+    assert (act.reply, act.settle, act.dead_letter) == (code, Settle.TERM, True)
+
+
+def test_shutdown_gives_task_back_without_delay() -> None:
+    act = decide(Situation.SHUTDOWN, 1, 5)
+    assert (act.reply, act.settle, act.nak_delay) == (None, Settle.NAK, False)
+    assert decide(Situation.SHUTDOWN, 5, 5).settle is Settle.TERM
+
+
+def test_last_delivery() -> None:
+    assert not is_last_delivery(1, 2) and is_last_delivery(2, 2) and is_last_delivery(3, 2)
+    assert is_last_delivery(None, 1) and not is_last_delivery(None, 2)

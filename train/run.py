@@ -1,0 +1,194 @@
+"""One full training run, as `lorafleet train` does it: dataset, baselines, LoRA, evaluation, report, MLflow."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lorafleet import settings
+from lorafleet.train.config import TrainConfig
+from lorafleet.train.dataset import RetrievalDataset, build_dataset
+from lorafleet.train.evaluate import METRICS, BM25Evaluator, DenseEvaluator
+from lorafleet.train.trainer import CostMeter, TrainResult, load_base_model, resolve_device, train_adapter
+
+log = logging.getLogger("lorafleet.train")
+
+EXPERIMENT = "lorafleet-train"
+HEADLINE = "test_ndcg@10"
+
+
+def mlflow_metric_name(name: str) -> str:
+    """MLflow refuses '@' in metric names: `test_ndcg@10` is logged as `test_ndcg_at_10`."""
+    return name.replace("@", "_at_")
+
+
+def mlflow_metrics(metrics: dict[str, float], prefix: str = "") -> dict[str, float]:
+    """`metrics` with MLflow-safe names; NaN values (not loggable) left out."""
+    return {mlflow_metric_name(prefix + k): float(v) for k, v in metrics.items() if v == v}
+
+
+def default_out_dir() -> Path:
+    return settings.home() / "runs" / time.strftime("train-%Y%m%d-%H%M%S")
+
+
+def flat_params(cfg: TrainConfig) -> dict[str, str]:
+    """The config as flat `a.b` keys with string values (MLflow params)."""
+    out: dict[str, str] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}{k}.", v)
+        else:
+            out[prefix[:-1]] = ",".join(map(str, value)) if isinstance(value, list) else str(value)
+
+    walk("", cfg.model_dump())
+    return out
+
+
+def baselines(cfg: TrainConfig, dataset: RetrievalDataset) -> dict[str, float]:
+    """Base model and BM25 on dev and test, prefixed `base_` and `bm25_`."""
+    t0 = time.perf_counter()
+    bm25 = BM25Evaluator(dataset).evaluate(["dev", "test"])
+    log.info("bm25: dev_ndcg@10 %.4f  test_ndcg@10 %.4f  (%.0f s)", bm25["dev_ndcg@10"], bm25["test_ndcg@10"],
+             time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    model = load_base_model(cfg.base_model, resolve_device(cfg.device), cfg.max_seq_length)
+    base = DenseEvaluator(dataset, cfg.eval_batch_size).evaluate(model, ["dev", "test"])
+    log.info("base: dev_ndcg@10 %.4f  test_ndcg@10 %.4f  (%.0f s)", base["dev_ndcg@10"], base["test_ndcg@10"],
+             time.perf_counter() - t0)
+    return {**{f"base_{k}": v for k, v in base.items()}, **{f"bm25_{k}": v for k, v in bm25.items()}}
+
+
+def relative_lift(metrics: dict[str, float], split: str = "test", metric: str = "ndcg@10") -> float:
+    base = metrics.get(f"base_{split}_{metric}", 0.0)
+    return (metrics[f"{split}_{metric}"] - base) / base if base > 0 else float("nan")
+
+
+def write_report(path: Path, cfg: TrainConfig, dataset: RetrievalDataset, result: TrainResult) -> Path:
+    m = result.metrics
+    lines = [
+        "# LoRA training report",
+        "",
+        f"- base model: `{cfg.base_model}`, max_seq_length {cfg.max_seq_length}, device {result.extras.get('device')}",
+        f"- laws: {', '.join(cfg.data.laws)}; query kinds: {', '.join(cfg.data.query_kinds)}",
+        f"- dataset digest: `{dataset.digest}`",
+        "- dataset: " + ", ".join(f"{k} {v}" for k, v in dataset.summary().items()),
+        f"- LoRA r={cfg.lora.r} alpha={cfg.lora.alpha} dropout={cfg.lora.dropout} targets={cfg.lora.target_modules}; "
+        f"loss {cfg.loss}, lr {cfg.learning_rate}, epochs {cfg.epochs}, batch {cfg.batch_size}, "
+        f"hard negatives {cfg.data.hard_negatives} ({int(m.get('train_pairs', 0))} training pairs)",
+        "",
+        "Relevance is at section level; a section scores the best of its chunks (MaxP).",
+        "",
+    ]
+    for split in ("dev", "test"):
+        lines += [f"## {split}", "", "| metric | BM25 | base | LoRA | LoRA vs base |", "|---|---|---|---|---|"]
+        for name in METRICS:
+            key = f"{split}_{name}"
+            base = m.get(f"base_{key}", float("nan"))
+            lift = (m[key] - base) / base * 100 if base else float("nan")
+            lines.append(f"| {name} | {m.get(f'bm25_{key}', float('nan')):.4f} | {base:.4f} | {m[key]:.4f} | "
+                         f"{lift:+.1f} % |")
+        lines.append("")
+    lines += ["## Epochs", "", "| epoch | train loss | dev nDCG@10 | dev MRR@10 |", "|---|---|---|---|"]
+    lines += [f"| {int(e['epoch'])} | {e['train_loss']:.4f} | {e['dev_ndcg@10']:.4f} | {e['dev_mrr@10']:.4f} |"
+              for e in result.epochs]
+    c = result.cost
+    lines += ["", "## Cost", "",
+              f"wall {c['wall_s']:.0f} s, CPU {c['cpu_s']:.0f} s, peak RSS {c['peak_rss_mb']:.0f} MB, "
+              f"≈ ${c['usd']:.4f} at ${cfg.price_per_hour_usd}/h", ""]
+    path.write_text("\n".join(lines))
+    return path
+
+
+def _mlflow_start(run_name: str | None) -> Any:
+    import mlflow
+
+    if mlflow.active_run() is not None:
+        # Inside a research study: this run becomes a child of the study's run.
+        return mlflow.start_run(run_name=run_name, nested=True)
+    mlflow.set_tracking_uri(settings.mlflow_tracking_uri())
+    if mlflow.get_experiment_by_name(EXPERIMENT) is None:
+        mlflow.create_experiment(EXPERIMENT, artifact_location=settings.mlflow_artifact_root())
+    mlflow.set_experiment(EXPERIMENT)
+    return mlflow.start_run(run_name=run_name)
+
+
+def _log_dataset(dataset: RetrievalDataset) -> None:
+    import mlflow
+
+    frame = dataset.to_frame()
+    ds = mlflow.data.from_pandas(frame, name="german-statutes", digest=dataset.digest[:36])
+    mlflow.log_input(ds, context="training")
+    mlflow.set_tag("dataset_digest", dataset.digest)
+
+
+def run_train(
+    cfg: TrainConfig,
+    out_dir: Path | None = None,
+    *,
+    log_mlflow: bool = True,
+    mlflow_run_name: str | None = None,
+) -> TrainResult:
+    """Build the dataset, score the baselines, train, evaluate, write `metrics.json` + `report.md`, log to MLflow."""
+    meter = CostMeter(cfg.price_per_hour_usd)
+    out = Path(out_dir) if out_dir is not None else default_out_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    dataset = build_dataset(cfg)
+    log.info("dataset %s: %s (%.0f s)", dataset.digest[:12], dataset.summary(), time.perf_counter() - t0)
+    (out / "train_config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False, allow_unicode=True))
+
+    run_ctx = _mlflow_start(mlflow_run_name) if log_mlflow else None
+    try:
+        if run_ctx is not None:
+            import mlflow
+
+            mlflow.log_params(flat_params(cfg))
+            _log_dataset(dataset)
+            mlflow.log_metrics(mlflow_metrics(dataset.summary(), "dataset_"))
+        base = baselines(cfg, dataset)
+        if run_ctx is not None:
+            mlflow.log_metrics(mlflow_metrics(base))
+
+        def on_epoch(epoch: int, dev: dict[str, float]) -> None:
+            if run_ctx is not None:
+                mlflow.log_metrics(mlflow_metrics(dev), step=epoch)
+
+        result = train_adapter(cfg, dataset, out, on_epoch=on_epoch)
+        result.metrics.update(base)
+        result.metrics["test_ndcg@10_lift"] = relative_lift(result.metrics, "test")
+        result.metrics["dev_ndcg@10_lift"] = relative_lift(result.metrics, "dev")
+        result.extras["train_cost"] = result.cost
+        result.cost = meter.read()
+        result.report_path = write_report(out / "report.md", cfg, dataset, result)
+        (out / "metrics.json").write_text(json.dumps({
+            "metrics": result.metrics, "epochs": result.epochs, "cost": result.cost,
+            "train_cost": result.extras["train_cost"], "dataset_digest": dataset.digest,
+            "dataset": dataset.summary(), "base_model": cfg.base_model, "max_seq_length": cfg.max_seq_length,
+        }, indent=2, sort_keys=True))
+        if run_ctx is not None:
+            for e in result.epochs:
+                mlflow.log_metric("train_loss", e["train_loss"], step=int(e["epoch"]))
+            mlflow.log_metrics(mlflow_metrics(result.metrics))
+            mlflow.log_metrics(mlflow_metrics(result.cost, "cost_"))
+            mlflow.log_artifacts(str(result.adapter_dir), "adapter")
+            mlflow.log_artifact(str(result.report_path))
+            mlflow.log_artifact(str(out / "metrics.json"))
+            result.extras["mlflow_run_id"] = run_ctx.info.run_id
+        log.info("done: test_ndcg@10 %.4f (base %.4f, bm25 %.4f, lift %+.1f %%) in %.0f s → %s",
+                 result.metrics["test_ndcg@10"], result.metrics["base_test_ndcg@10"],
+                 result.metrics["bm25_test_ndcg@10"], 100 * result.metrics["test_ndcg@10_lift"],
+                 result.cost["wall_s"], out)
+        return result
+    finally:
+        if run_ctx is not None:
+            import mlflow
+
+            status = "FINISHED" if "result" in locals() else "FAILED"
+            mlflow.end_run(status=status)
