@@ -77,6 +77,20 @@ def served_models(entries: Iterable[FleetEntry], bases: Iterable[str]) -> list[S
     return out
 
 
+def merge_models(static: Iterable[ServedModel], entries: Iterable[FleetEntry], bases: Iterable[str]
+                 ) -> list[ServedModel]:
+    """The fleet file's served models plus the promoted ones; a promoted name replaces a static one."""
+    bases = list(bases)
+    promoted = served_models(entries, bases)
+    names = {m.name for m in promoted}
+    return [m for m in static if m.name not in names] + promoted
+
+
+def by_adapter_id(entries: Iterable[FleetEntry]) -> dict[str, ServedModel]:
+    """What a worker needs per adapter id: URI and serving profile of every promoted version."""
+    return {e.adapter_id: e.served_model() for e in entries}
+
+
 async def ensure_fleet_bucket(js: Any, bucket: str = FLEET_KV_BUCKET) -> Any:
     """The fleet KV bucket, created if missing (gateways and workers call this at start; idempotent)."""
     from nats.js.api import KeyValueConfig
@@ -87,7 +101,8 @@ async def ensure_fleet_bucket(js: Any, bucket: str = FLEET_KV_BUCKET) -> Any:
     except BucketNotFoundError:
         pass
     with contextlib.suppress(Exception):  # another process may create it at the same moment
-        return await js.create_key_value(KeyValueConfig(bucket=bucket, history=16, description="lorafleet desired fleet"))
+        return await js.create_key_value(
+            KeyValueConfig(bucket=bucket, history=16, description="lorafleet desired fleet state"))
     return await js.key_value(bucket)
 
 

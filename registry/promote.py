@@ -165,7 +165,8 @@ class Outcome:
     nats_url: str
 
 
-def _entry(info: VersionInfo, base: str, profile: ServingProfile | None, action: Literal["promote", "rollback"]) -> FleetEntry:
+def _entry(info: VersionInfo, base: str, profile: ServingProfile | None,
+           action: Literal["promote", "rollback"]) -> FleetEntry:
     return FleetEntry(name=info.name, base=base, adapter_id=adapter_id_for(info.name, info.version),
                       adapter_uri=f"models:/{info.name}/{info.version}", profile=profile,
                       version=info.version, registered_model=info.name, action=action)

@@ -33,7 +33,7 @@ def resolve_models_uri(uri: str) -> Path:
     try:
         from lorafleet.sidecar.runtime import AdapterUnavailable
     except ImportError:  # pragma: no cover - the sidecar is part of the package
-        AdapterUnavailable = RuntimeError  # type: ignore[misc,assignment]  # noqa: N806
+        AdapterUnavailable = RuntimeError  # type: ignore[misc,assignment]
     try:
         name, ref = parse_models_uri(uri)
         adapter_dir, _, _ = fetch_adapter(name, ref)

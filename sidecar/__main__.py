@@ -6,9 +6,10 @@ import argparse
 import logging
 import os
 import sys
-import tempfile
 
-from lorafleet.config import ConfigError, FleetConfig, load_yaml_model
+import yaml
+
+from lorafleet.config import ConfigError, FleetConfig, load_yaml_model, validate_model
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -29,12 +30,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def load_fleet(source: str) -> FleetConfig:
     if source != "-":
         return load_yaml_model(FleetConfig, source)
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-        f.write(sys.stdin.read())
     try:
-        return load_yaml_model(FleetConfig, f.name)
-    finally:
-        os.unlink(f.name)
+        raw = yaml.safe_load(sys.stdin.read()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"<stdin> is not valid YAML: {exc}") from exc
+    return validate_model(FleetConfig, raw, source="<stdin>")
 
 
 def main(argv: list[str] | None = None) -> int:

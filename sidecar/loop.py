@@ -43,6 +43,8 @@ from lorafleet.wire import (
 
 log = logging.getLogger(__name__)
 
+CONNECT_TIMEOUT_S = 30.0  # initial connect; once connected, reconnects go on for ever
+
 
 @dataclass(slots=True)
 class Outcome:
@@ -99,6 +101,7 @@ class NatsSide:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._held: dict[int, _Held] = {}
         self._stopping = False
+        self.stop_requested = False
         self._phase: dict[str, str] = {}
         self._pull_tasks: dict[str, asyncio.Task[None]] = {}
         self._psubs: dict[str, Any] = {}
@@ -135,6 +138,7 @@ class NatsSide:
         self._post(self._models_ready.set)
 
     def request_stop(self) -> None:
+        self.stop_requested = True  # seen by _main even if the loop does not exist yet
         self._post(self._begin_stop)
 
     def batch_taken(self) -> None:
@@ -155,7 +159,8 @@ class NatsSide:
             asyncio.run(self._main())
         except BaseException as exc:
             self.error = exc
-            log.error("NATS side failed: %s", exc, exc_info=not isinstance(exc, OSError))
+            if not (isinstance(exc, ConnectionError) and self._stopping):
+                log.error("NATS side failed: %s", exc, exc_info=not isinstance(exc, OSError))
         finally:
             self.connected.set()
             self.ready.put(None)  # tells the main thread to finish
@@ -165,10 +170,9 @@ class NatsSide:
         self._slots = asyncio.Semaphore(self.fleet.worker.profile.batches_in_flight)
         self._models_ready = asyncio.Event()
         self._stop = asyncio.Event()
-        self.nc = await nats.connect(
-            self.nats_url, name=f"lorafleet-worker-{self.worker_id}", max_reconnect_attempts=-1,
-            error_cb=self._on_error, disconnected_cb=self._on_disconnect, reconnected_cb=self._on_reconnect,
-        )
+        if self.stop_requested:
+            self._begin_stop()
+        self.nc = await self._connect()
         self.js = self.nc.jetstream()
         await ensure_streams(self.js, self.fleet.queue)
         for base in self.bases:
@@ -204,6 +208,22 @@ class NatsSide:
             except Exception as exc:
                 log.debug("unsubscribe: %s", exc)
         await self.nc.drain()
+
+    async def _connect(self) -> Any:
+        """Connect, giving up after CONNECT_TIMEOUT_S or as soon as a stop is requested."""
+        connect = asyncio.ensure_future(nats.connect(
+            self.nats_url, name=f"lorafleet-worker-{self.worker_id}", max_reconnect_attempts=-1,
+            error_cb=self._on_error, disconnected_cb=self._on_disconnect, reconnected_cb=self._on_reconnect,
+        ))
+        stop = asyncio.ensure_future(self._stop.wait())
+        done, _ = await asyncio.wait([connect, stop], timeout=CONNECT_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if connect in done:
+            return connect.result()
+        connect.cancel()
+        await asyncio.gather(connect, return_exceptions=True)
+        why = "stop requested" if stop in done else f"no answer within {CONNECT_TIMEOUT_S:.0f}s"
+        raise ConnectionError(f"cannot connect to NATS at {self.nats_url} ({why}); is nats-server running there?")
 
     async def _on_error(self, exc: Exception) -> None:
         log.warning("NATS error: %s", exc)

@@ -28,6 +28,8 @@ from lorafleet.sidecar.runtime import AdapterUnavailable, Runtime, create_runtim
 
 log = logging.getLogger(__name__)
 
+CONNECT_GRACE_S = 35.0  # the loop gives up connecting after 30 s
+
 
 def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
@@ -174,6 +176,10 @@ def _serve(fleet: FleetConfig, side: NatsSide, serve: list[str], lookup: FleetLo
         side.request_stop()
         side.thread.join(timeout=10)
         return 1
+    if side.stop_requested:
+        log.info("stopped before serving")
+        side.thread.join(timeout=CONNECT_GRACE_S)
+        return 0
     if not side.wait_connected():
         log.error("could not set up NATS at %s: %s", side.nats_url, side.error)
         return 1

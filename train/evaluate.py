@@ -3,7 +3,8 @@
 Every chunk is scored; a section's score is the best of its chunks (MaxP). Metrics use binary
 relevance: nDCG@10, MRR@10, recall@1/10/100, MAP@100 (average precision over the top 100,
 divided by the number of relevant sections, as trec_eval and ranx do). Names are
-`{split}_{metric}`, e.g. `dev_ndcg@10`; callers add `base_` / `bm25_` prefixes.
+`{split}_{metric}`, e.g. `dev_ndcg@10`, plus nDCG@10 per query kind (`dev_heading_ndcg@10`,
+`dev_citation_ndcg@10`); callers add `base_` / `bm25_` prefixes.
 """
 
 from __future__ import annotations
@@ -56,6 +57,17 @@ def score_rankings(ranking: Ranking, qrels: Mapping[str, Mapping[str, int]]) -> 
         for name in METRICS:
             totals[name] += per[name]
     return {name: totals[name] / len(qrels) for name in METRICS}
+
+
+def split_metrics(ranking: Ranking, dataset: RetrievalDataset, split: str) -> dict[str, float]:
+    """`{split}_{metric}` over all queries of `split`, plus `{split}_{kind}_ndcg@10` per query kind."""
+    qrels = dataset.qrels[split]
+    out = {f"{split}_{k}": v for k, v in score_rankings(ranking, qrels).items()}
+    kinds = sorted({dataset.query_info[q].kind for q in qrels})
+    for kind in kinds:
+        subset = {q: rel for q, rel in qrels.items() if dataset.query_info[q].kind == kind}
+        out[f"{split}_{kind}_ndcg@10"] = score_rankings(ranking, subset)["ndcg@10"]
+    return out
 
 
 class SectionIndex:
@@ -115,8 +127,7 @@ class DenseEvaluator:
         for split in splits:
             qids = list(self.dataset.queries[split])
             q = _encode(model, [self.dataset.queries[split][i] for i in qids], self.batch_size)
-            ranking = self.index.rank(qids, q @ self.corpus_embeddings.T)
-            out.update({f"{split}_{k}": v for k, v in score_rankings(ranking, self.dataset.qrels[split]).items()})
+            out.update(split_metrics(self.index.rank(qids, q @ self.corpus_embeddings.T), self.dataset, split))
         return out
 
 
@@ -154,7 +165,7 @@ class BM25Evaluator:
         for split in splits:
             qids = list(self.dataset.queries[split])
             ranking = self.index.rank(qids, self.scores([self.dataset.queries[split][i] for i in qids]))
-            out.update({f"{split}_{k}": v for k, v in score_rankings(ranking, self.dataset.qrels[split]).items()})
+            out.update(split_metrics(ranking, self.dataset, split))
         return out
 
 

@@ -81,7 +81,8 @@ def write_report(path: Path, cfg: TrainConfig, dataset: RetrievalDataset, result
         "- dataset: " + ", ".join(f"{k} {v}" for k, v in dataset.summary().items()),
         f"- LoRA r={cfg.lora.r} alpha={cfg.lora.alpha} dropout={cfg.lora.dropout} targets={cfg.lora.target_modules}; "
         f"loss {cfg.loss}, lr {cfg.learning_rate}, epochs {cfg.epochs}, batch {cfg.batch_size}, "
-        f"hard negatives {cfg.data.hard_negatives} ({int(m.get('train_pairs', 0))} training pairs)",
+        f"hard negatives {cfg.data.hard_negatives} ({int(m.get('train_pairs', 0))} training pairs, "
+        f"{int(m.get('train_random_negative_queries', 0))} with random instead of mined negatives)",
         "",
         "Relevance is at section level; a section scores the best of its chunks (MaxP).",
         "",
@@ -94,6 +95,12 @@ def write_report(path: Path, cfg: TrainConfig, dataset: RetrievalDataset, result
             lift = (m[key] - base) / base * 100 if base else float("nan")
             lines.append(f"| {name} | {m.get(f'bm25_{key}', float('nan')):.4f} | {base:.4f} | {m[key]:.4f} | "
                          f"{lift:+.1f} % |")
+        for kind in cfg.data.query_kinds:
+            key = f"{split}_{kind}_ndcg@10"
+            if key in m:
+                lines.append(f"| ndcg@10, {kind} queries only | {m.get('bm25_' + key, float('nan')):.4f} | "
+                             f"{m.get('base_' + key, float('nan')):.4f} | {m[key]:.4f} | "
+                             f"{relative_lift(m, split, f'{kind}_ndcg@10') * 100:+.1f} % |")
         lines.append("")
     lines += ["## Epochs", "", "| epoch | train loss | dev nDCG@10 | dev MRR@10 |", "|---|---|---|---|"]
     lines += [f"| {int(e['epoch'])} | {e['train_loss']:.4f} | {e['dev_ndcg@10']:.4f} | {e['dev_mrr@10']:.4f} |"
@@ -175,7 +182,8 @@ def run_train(
         if run_ctx is not None:
             for e in result.epochs:
                 mlflow.log_metric("train_loss", e["train_loss"], step=int(e["epoch"]))
-            mlflow.log_metrics(mlflow_metrics(result.metrics))
+            per_epoch = set(result.epochs[-1]) if result.epochs else set()  # already logged with step=epoch
+            mlflow.log_metrics(mlflow_metrics({k: v for k, v in result.metrics.items() if k not in per_epoch}))
             mlflow.log_metrics(mlflow_metrics(result.cost, "cost_"))
             mlflow.log_artifacts(str(result.adapter_dir), "adapter")
             mlflow.log_artifact(str(result.report_path))

@@ -181,7 +181,8 @@ def _train_dataset(cfg: TrainConfig, dataset: RetrievalDataset, model: Any) -> t
     pairs = dataset.train_pairs()
     if not cfg.data.hard_negatives:
         data = {"anchor": [q for q, _ in pairs], "positive": [p for _, p in pairs]}
-        return Dataset.from_dict(data), {"train_pairs": len(pairs), "train_negatives": 0}
+        return Dataset.from_dict(data), {"train_pairs": len(pairs), "train_negatives": 0,
+                                         "train_random_negative_queries": 0}
     t0 = time.perf_counter()
     rows, n_random = mine_negatives(cfg, dataset, model)
     data: dict[str, list[str]] = {"anchor": [r[0] for r in rows], "positive": [r[1] for r in rows]}

@@ -86,10 +86,7 @@ def plateaued(history: list[float], gain: float, patience: int) -> bool:
     """True when the last `patience` values each failed to beat the best before them by `gain` (relative)."""
     if len(history) <= patience:
         return False
-    for i in range(len(history) - patience, len(history)):
-        if history[i] > max(history[:i]) * (1.0 + gain):
-            return False
-    return True
+    return all(history[i] <= max(history[:i]) * (1.0 + gain) for i in range(len(history) - patience, len(history)))
 
 
 def score(r: ProfileResult, slo_p99_ms: float, memory_mb: float | None) -> tuple[int, float]:

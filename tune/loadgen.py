@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -230,4 +230,46 @@ async def open_loop(target: Target, rate: float, duration_s: float, seed: int = 
     result.gen_cpu_s = time.process_time() - cpu0
     for conn in idle:
         conn.close()
+    return result
+
+
+async def open_loop_calls(call: Callable[[int], Awaitable[bool]], schedule: list[float], *, level: float,
+                          duration_s: float, drain_s: float = 30.0) -> LoadResult:
+    """Open loop over any async call, not only HTTP: `call(i)` starts at `schedule[i]` seconds from now.
+
+    Same accounting as `open_loop`: latency runs from the *intended* send time to the call's
+    return, `call` returns True on success (False or an exception counts as an error), and calls
+    still running `drain_s` after the last send count as errors. `schedule` may come from
+    `poisson_schedule` or any other arrival process (bursts); `level` is what the result reports.
+    """
+    result = LoadResult("open", level, duration_s)
+    tasks: set[asyncio.Task[None]] = set()
+    cpu0 = time.process_time()
+    start = time.perf_counter()
+
+    async def one(i: int, intended: float) -> None:
+        try:
+            ok = await call(i)
+        except Exception:
+            ok = False
+        if ok:
+            result.latencies_ms.append((time.perf_counter() - intended) * 1000.0)
+        else:
+            result.errors += 1
+
+    for i, offset in enumerate(schedule):
+        intended = start + offset
+        delay = intended - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        task = asyncio.create_task(one(i, intended))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+    if tasks:
+        _, pending = await asyncio.wait(set(tasks), timeout=drain_s)
+        for task in pending:
+            task.cancel()
+        result.errors += len(pending)
+    result.duration_s = max(time.perf_counter() - start, duration_s)
+    result.gen_cpu_s = time.process_time() - cpu0
     return result

@@ -22,7 +22,8 @@ PLOT_FILE = "throughput_p99.png"
 
 
 def machine() -> dict[str, Any]:
-    info: dict[str, Any] = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
+    info: dict[str, Any] = {"cpus": os.cpu_count(), "platform": platform.platform(),
+                            "python": platform.python_version()}
     try:
         import psutil
 

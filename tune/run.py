@@ -18,6 +18,7 @@ import contextlib
 import random
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -84,8 +85,8 @@ class TuneConfig(StrictModel):
     @classmethod
     def quick_preset(cls, **overrides: object) -> TuneConfig:
         base: dict[str, object] = dict(quick=True, concurrencies=[8], open_fractions=[0.6], point_s=1.2,
-                                       warmup_s=0.3, items_grid=[1, 8], wait_grid=[], inflight_grid=[], min_open_requests=15,
-                                       tokens_per_item_grid=[], max_profiles=3, budget_s=45.0)
+                                       warmup_s=0.3, items_grid=[1, 8], wait_grid=[], inflight_grid=[],
+                                       min_open_requests=15, tokens_per_item_grid=[], max_profiles=3, budget_s=45.0)
         base.update(overrides)
         return cls(**base)
 
@@ -188,7 +189,8 @@ def _from_run(run_id: str, base: str | None) -> TuneSource:
     dest = settings.home() / "tune" / "runs" / run_id
     if dest.exists():
         shutil.rmtree(dest)
-    local = Path(download_artifacts(run_id=run_id, artifact_path=found, dst_path=str(dest), tracking_uri=tracking_uri()))
+    local = Path(download_artifacts(run_id=run_id, artifact_path=found, dst_path=str(dest),
+                                    tracking_uri=tracking_uri()))
     return _from_adapter(local, base, f"run-{run_id[:8]}")
 
 
@@ -394,6 +396,18 @@ def _run_async(coro: object) -> LoadResult:
         return asyncio.run(coro)  # type: ignore[arg-type]
 
 
+def _terminate_as_interrupt() -> Callable[[], None]:
+    """While the sweep runs, SIGTERM unwinds like Ctrl-C, so the private cluster is always stopped."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    return lambda: signal.signal(signal.SIGTERM, previous)
+
+
 def _profile(items: int, tokens: int, wait: float, inflight: int) -> ServingProfile:
     return ServingProfile(max_batch_items=items, max_batch_tokens=max(tokens, items), max_wait_ms=wait,
                           batches_in_flight=inflight)
@@ -438,6 +452,7 @@ def run_tune(ref: str | TuneSource, cfg: TuneConfig | None = None, out_dir: Path
         return r
 
     ok = False
+    restore = _terminate_as_interrupt()
     try:
         say("  starting a private cluster (nats-server, gateway, one worker)…")
         # The fleet's default profile goes first: its capacity fixes the open-loop rates for every profile,
@@ -469,6 +484,7 @@ def run_tune(ref: str | TuneSource, cfg: TuneConfig | None = None, out_dir: Path
             run_one(c.model_copy(update={"max_batch_tokens": c.max_batch_items * per_item}), "tokens")
         ok = True
     finally:
+        restore()
         sweeper.stop()
         if ok:  # keep the cluster logs when something failed
             shutil.rmtree(work, ignore_errors=True)

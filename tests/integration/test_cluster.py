@@ -152,7 +152,7 @@ def test_kill_9_worker_loses_nothing(tmp_path: Path, adapters: dict[str, Path], 
 
     import nats
 
-    from lorafleet.queue import queue_depth
+    from lorafleet.wire import consumer_name
 
     fleet = _fleet({}, ack_wait_s=2.0, max_deliver=5)
     with LocalCluster(fleet, workers=2, port=0, home=tmp_path / "home") as c:
@@ -165,13 +165,14 @@ def test_kill_9_worker_loses_nothing(tmp_path: Path, adapters: dict[str, Path], 
         t.join(timeout=180)
         responses = box["r"]
 
-        async def redelivered() -> int:
+        async def redeliveries() -> int:
+            # Every delivery bumps the consumer sequence; every task the stream sequence once.
             nc = await nats.connect(c.nats_url)
-            depth = await queue_depth(nc.jetstream(), fleet.queue)
+            info = await nc.jetstream().consumer_info(fleet.queue.stream, consumer_name(BASE))
             await nc.drain()
-            return sum(v["redelivered"] for v in depth.values())
+            return info.delivered.consumer_seq - info.delivered.stream_seq
 
-        n_redelivered = asyncio.run(redelivered())
+        n_redelivered = asyncio.run(redeliveries())
 
     from sentence_transformers import SentenceTransformer
 

@@ -71,7 +71,7 @@ def test_tampered_bundle_is_refused(tmp_path: Path, tiny_adapter: Path, tiny_mod
 
 def test_missing_spec_and_bad_adapter(tmp_path: Path, tiny_model_dir: Path) -> None:
     (tmp_path / "empty").mkdir()
-    with pytest.raises(BundleIntegrityError, match="no bundle.yaml"):
+    with pytest.raises(BundleIntegrityError, match=r"no bundle\.yaml"):
         verify_bundle(tmp_path / "empty")
     (tmp_path / "notpeft").mkdir()
     with pytest.raises(BundleError, match="not a peft adapter"):

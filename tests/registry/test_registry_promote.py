@@ -93,7 +93,7 @@ def test_bad_input_changes_nothing(nats_server, fleet_file: Path, tiny_adapter: 
         prom.promote("legal", "9", nats_url=url, fleet_file=fleet_file)
     with pytest.raises(prom.PromotionError, match="runs on base 'other-base', which this fleet does not serve"):
         prom.promote("legal", "1", nats_url=url, fleet_file=fleet_file)
-    with pytest.raises(FleetStateError, match="cannot reach nats-server at nats://127.0.0.1:9"):
+    with pytest.raises(FleetStateError, match=r"cannot reach nats-server at nats://127\.0\.0\.1:9"):
         prom.promote("legal", "1", nats_url="nats://127.0.0.1:9", fleet_file=fleet_file)
     with pytest.raises(prom.PromotionError, match="no local cluster is recorded"):
         prom.promote("legal", "1")

@@ -63,11 +63,11 @@ def test_tampered_store_copy_is_refused(tmp_path: Path, tiny_adapter: Path, tiny
     data = bytearray(stored.read_bytes())
     data[100] ^= 0x01
     stored.write_bytes(bytes(data))
-    with pytest.raises(BundleIntegrityError, match="sha256 mismatch in adapter/adapter_model.safetensors"):
+    with pytest.raises(BundleIntegrityError, match=r"sha256 mismatch in adapter/adapter_model\.safetensors"):
         store.download_bundle(*ref, tmp_path / "dl")
     assert not (tmp_path / "dl").exists(), "a refused bundle must leave nothing behind"
     stored.unlink()
-    with pytest.raises(BundleIntegrityError, match="missing adapter/adapter_model.safetensors"):
+    with pytest.raises(BundleIntegrityError, match=r"missing adapter/adapter_model\.safetensors"):
         store.download_bundle(*ref, tmp_path / "dl")
     from lorafleet.sidecar.runtime import AdapterUnavailable
 
@@ -91,5 +91,5 @@ def test_unreachable_store(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> N
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")  # nothing listens on the discard port
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
-    with pytest.raises(store.StoreUnreachable, match="cannot reach the MLflow store at http://127.0.0.1:9"):
+    with pytest.raises(store.StoreUnreachable, match=r"cannot reach the MLflow store at http://127\.0\.0\.1:9"):
         store.list_models()

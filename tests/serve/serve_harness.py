@@ -107,6 +107,7 @@ class ScriptedWorker:
     reverse: bool = True  # reply to a fetched batch in reverse order, to check the gateway reorders
     draining: bool = False
     seen: list[wire.Task] = field(default_factory=list)
+    stopped: bool = False
 
     def heartbeat(self) -> bytes:
         return wire.Heartbeat(worker="scripted-1", bases=[self.base], adapters={self.base: []}, in_flight=0,
@@ -114,7 +115,7 @@ class ScriptedWorker:
                               draining=self.draining).to_wire()
 
     async def run_heartbeats(self) -> None:
-        while True:
+        while not self.stopped:
             await self.nc.publish(wire.heartbeat_subject("scripted-1"), self.heartbeat())
             await asyncio.sleep(0.2)
 
@@ -123,7 +124,7 @@ class ScriptedWorker:
         await ensure_streams(js, queue)
         durable = await ensure_consumer(js, self.base, queue)
         sub = await js.pull_subscribe_bind(durable, queue.stream)
-        while True:
+        while not self.stopped:
             try:
                 msgs = await sub.fetch(16, timeout=0.05)
             except (TimeoutError, nats.errors.TimeoutError):
@@ -148,11 +149,11 @@ async def scripted_worker(nats_url: str, queue: QueueConfig, **kw: Any) -> Async
     try:
         yield worker
     finally:
+        # A flag as well as cancel(): nats-py's fetch can swallow a cancellation (wait_for race on 3.11).
+        worker.stopped = True
         for job in jobs:
             job.cancel()
-        for job in jobs:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await job
+        await asyncio.wait(jobs, timeout=5)
         await nc.close()
 
 

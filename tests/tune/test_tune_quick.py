@@ -30,7 +30,8 @@ def test_tune_quick_cli(tiny_adapter_dir: Path, tmp_path: Path) -> None:
                                       str(out)])
     assert result.exit_code == 0, result.output
     profile = ServingProfile.model_validate(yaml.safe_load((out / "profile.yaml").read_text()))
-    rows = list(csv.DictReader(open(out / "results.csv")))
+    with open(out / "results.csv") as fh:
+        rows = list(csv.DictReader(fh))
     assert 2 <= len(rows) <= 3
     assert rows[0]["phase"] == "baseline" and rows[0]["max_batch_items"] == "32"
     assert [r["recommended"] for r in rows].count("True") == 1

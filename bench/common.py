@@ -1,0 +1,86 @@
+"""Shared helpers of the benchmarks: inputs, machine description, JSON output, process control."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO / "bench" / "results"
+
+
+def german_sentences(n: int, seed: int = 0, min_words: int = 5, max_words: int = 20) -> list[str]:
+    """Statute sentences of `min_words`–`max_words` words (LORAFLEET_DATA_DIR), ~32 MiniLM tokens each."""
+    from lorafleet.tune.run import load_texts
+
+    pool = [t for t in load_texts(n=max(4 * n, 400), seed=seed) if min_words <= len(t.split()) <= max_words]
+    if not pool:
+        raise RuntimeError("no statute sentences found; set LORAFLEET_DATA_DIR to the folder holding gesetze/")
+    rng = random.Random(seed)
+    while len(pool) < n:
+        pool.append(rng.choice(pool))
+    return pool[:n]
+
+
+def loadavg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def machine_info() -> dict[str, Any]:
+    cpu = platform.processor() or ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    mem_gb = None
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        mem_gb = round(int(Path("/proc/meminfo").read_text().split()[1]) / 2**20, 1)
+    info: dict[str, Any] = {"cpus": os.cpu_count(), "cpu": cpu, "memory_gib": mem_gb,
+                            "python": platform.python_version(), "platform": platform.platform(),
+                            "loadavg_start": loadavg()}
+    with contextlib.suppress(ImportError):
+        import torch
+
+        info["torch"] = torch.__version__
+        info["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return info
+
+
+def write_json(path: Path, data: dict[str, Any]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=False, default=_json_default) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def _json_default(obj: Any) -> Any:
+    if hasattr(obj, "item"):  # numpy scalars
+        return obj.item()
+    if isinstance(obj, Path):
+        return str(obj)
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+
+def stamp() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+def say(text: str) -> None:
+    import sys
+
+    print(text, file=sys.stderr, flush=True)
+
+
+def fmt(v: float | None, nd: int = 1) -> str:
+    return "-" if v is None else f"{v:.{nd}f}"
