@@ -40,7 +40,7 @@ def train_config(quick: bool, epochs: int) -> Any:
     from lorafleet.train import TrainConfig
 
     if quick:
-        data = {"laws": ["kschg", "milog"], "hard_negatives": False, "max_train_queries": 32, "max_eval_queries": 16,
+        data = {"laws": ["kschg"], "hard_negatives": False, "max_train_queries": 16, "max_eval_queries": 8,
                 "max_chunks_per_section": 1}
         return TrainConfig(data=data, epochs=epochs, batch_size=8, max_seq_length=64, device="cpu",
                            eval_batch_size=32)
@@ -56,9 +56,11 @@ def dir_size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def run_arm(arm: str, quick: bool, epochs: int, budget_s: float, out_dir: Path) -> dict[str, Any]:
+def run_arm(arm: str, quick: bool, epochs: int, budget_s: float, out_dir: Path, threads: int) -> dict[str, Any]:
     """One arm in this process: train (unless base), evaluate test, save, measure."""
     import torch
+
+    torch.set_num_threads(threads)
     from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
     from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
     from sentence_transformers.sentence_transformer.training_args import BatchSamplers
@@ -147,10 +149,12 @@ def run_arm(arm: str, quick: bool, epochs: int, budget_s: float, out_dir: Path) 
     return out
 
 
-def run_child(arm: str, quick: bool, epochs: int, budget_s: float, work: Path, timeout_s: float) -> dict[str, Any]:
+def run_child(arm: str, quick: bool, epochs: int, budget_s: float, work: Path, timeout_s: float,
+              threads: int) -> dict[str, Any]:
     out_file = work / f"{arm}.json"
     argv = [sys.executable, "-m", "lorafleet.bench.train", "--arm", arm, "--child-out", str(out_file),
-            "--epochs", str(epochs), "--budget-s", str(budget_s), "--work", str(work)] + (["--quick"] if quick else [])
+            "--epochs", str(epochs), "--budget-s", str(budget_s), "--work", str(work), "--threads", str(threads)]
+    argv += ["--quick"] if quick else []
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout_s, text=True)
@@ -190,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=None, help="Training time budget per arm (default 180; quick 30).")
     p.add_argument("--arms", default=None,
                    help="Comma-separated subset of base,lora,full (default all; quick lora,full).")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per arm (default: the number of CPUs).")
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "train.json")
     p.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)  # child mode
     p.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
@@ -198,12 +203,13 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     epochs = args.epochs or (1 if args.quick else 2)
+    threads = args.threads or os.cpu_count() or 1
     budget_s = args.budget_s or (30.0 if args.quick else 180.0)
     if args.arm:  # child: one arm, result to --child-out
         import logging
 
         logging.basicConfig(level=logging.WARNING)
-        res = run_arm(args.arm, args.quick, epochs, budget_s, args.work or Path(tempfile.mkdtemp()))
+        res = run_arm(args.arm, args.quick, epochs, budget_s, args.work or Path(tempfile.mkdtemp()), threads)
         args.child_out.write_text(json.dumps(res))
         return 0
     arms = args.arms.split(",") if args.arms else (["lora", "full"] if args.quick else list(ARMS))
@@ -219,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="lorafleet-bench-train-") as tmp:
         for arm in arms:
             say(f"{arm}…")
-            results[arm] = run_child(arm, args.quick, epochs, budget_s, Path(tmp), timeout_s=budget_s + 420)
+            results[arm] = run_child(arm, args.quick, epochs, budget_s, Path(tmp), timeout_s=budget_s + 420,
+                                     threads=threads)
     cfg = train_config(args.quick, epochs)
     ratios: dict[str, Any] = {}
     lo, fu = results.get("lora", {}), results.get("full", {})
@@ -235,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
             ratios["full − base test nDCG@10"] = round(fu["test_ndcg@10"] - results["base"]["test_ndcg@10"], 4)
     result = {
         "benchmark": "train", "when": stamp(), "quick": args.quick, "machine": {**info, "loadavg_end": loadavg()},
-        "setup": {"base_model": cfg.base_model, "laws": cfg.data.laws, "hard_negatives": False, "epochs": epochs,
+        "setup": {"torch_threads": threads, "base_model": cfg.base_model, "laws": cfg.data.laws,
+                  "hard_negatives": False, "epochs": epochs,
                   "time_budget_s_per_arm": budget_s, "batch_size": cfg.batch_size,
                   "max_seq_length": cfg.max_seq_length, "loss": "MNRL (in-batch negatives)",
                   "lora": cfg.lora.model_dump(), "lora_learning_rate": cfg.learning_rate,
