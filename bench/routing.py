@@ -47,6 +47,8 @@ from lorafleet.tune.loadgen import LoadResult, open_loop_calls, poisson_schedule
 from lorafleet.wire import HDR_MSG_ID, HEARTBEAT_PREFIX, Heartbeat, Result, Task, consumer_name, work_subject
 
 POLICIES = ("pull", "push-stale", "push-fresh")
+ALGORITHMS = {"p2c": "power of two choices (P2C) on outstanding tasks per worker",
+              "lor": "least outstanding tasks over all workers (ties at random)"}
 POLL_S = 0.05
 INBOX = "_INBOX.bench-routing"
 MINILM = "minilm"
@@ -63,8 +65,8 @@ class Scenario:
     bursts: bool = False
     heterogeneous: bool = False
     capacity_hint: float | None = None  # req/s, for models whose cost is not modelled (MiniLM)
-    fractions: list[float] = field(default_factory=lambda: [0.2, 0.35, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1])
-    overload: float = 1.3  # the saturation point, as a fraction of nominal capacity
+    fractions: list[float] = field(default_factory=lambda: [0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1])
+    overload: float = 1.4  # the saturation point, as a fraction of nominal capacity
 
     def nominal_capacity(self, max_items: int) -> float:
         """Tasks/s when every worker runs full batches of the request mix (the modelled ceiling)."""
@@ -90,7 +92,7 @@ def scenarios(slo_ms: float) -> dict[str, Scenario]:
                            "second, 0.5× otherwise)", {"m": base}, {"m": 1.0}, [1.0, 1.0, 1.0], slo_ms, bursts=True),
         MINILM: Scenario(MINILM, "2 workers running the real all-MiniLM-L6-v2 (1 torch thread each), statute "
                          "sentences", {MINILM: None}, {MINILM: 1.0}, [1.0, 1.0], 2 * slo_ms, capacity_hint=90.0,
-                         fractions=[0.25, 0.4, 0.55, 0.7, 0.85, 1.0, 1.15]),
+                         fractions=[0.3, 0.5, 0.65, 0.8, 0.9, 1.0, 1.1]),
     }
 
 
@@ -228,8 +230,8 @@ class Driver:
 class Router:
     """Where each task goes: the shared subject (pull) or one worker's private queue (P2C push)."""
 
-    def __init__(self, policy: str, workers: Workers, js: Any, seed: int) -> None:
-        self.policy, self.workers, self.js = policy, workers, js
+    def __init__(self, policy: str, workers: Workers, js: Any, seed: int, algorithm: str = "p2c") -> None:
+        self.policy, self.workers, self.js, self.algorithm = policy, workers, js, algorithm
         self.names = workers.names
         self.outstanding = dict.fromkeys(self.names, 0)  # exact: sent and not yet answered
         self.snapshot = dict.fromkeys(self.names, 0)  # polled every POLL_S (push-stale)
@@ -239,8 +241,11 @@ class Router:
         self._poller: asyncio.Task[None] | None = None
 
     def choose(self) -> str:
-        a, b = self.rng.sample(self.names, 2) if len(self.names) > 1 else (self.names[0], self.names[0])
         view = self.snapshot if self.policy == "push-stale" else self.outstanding
+        if self.algorithm == "lor":  # least outstanding over all workers, random among ties
+            low = min(view.values())
+            return self.rng.choice([w for w in self.names if view[w] == low])
+        a, b = self.rng.sample(self.names, 2) if len(self.names) > 1 else (self.names[0], self.names[0])
         if view[a] == view[b]:
             return a  # a and b are already a random pair
         return a if view[a] < view[b] else b
@@ -332,7 +337,8 @@ async def run_policy(driver: Driver, router: Router, sc: Scenario, rates: list[f
             is_overload = k == len(rates)
             if not is_overload and points and not points[-1]["meets_slo"]:
                 continue  # past the SLO: only the saturation point is left
-            r = await run_point(driver, router, sc, rate, duration_s, seed + k, texts,
+            # The saturation point runs twice as long: its throughput is the headline, not its p99.
+            r = await run_point(driver, router, sc, rate, duration_s * (2 if is_overload else 1), seed + k, texts,
                                 f"{sc.name}-{router.policy}-{k}-{int(time.time() * 1000) % 10**8}")
             s = point_summary(r, sc.slo_ms)
             s["overload"] = is_overload
@@ -357,7 +363,8 @@ async def run_policy(driver: Driver, router: Router, sc: Scenario, rates: list[f
 
 
 async def run_scenario(sc: Scenario, nats_url: str, work: Path, profile: ServingProfile, queue: QueueConfig,
-                       duration_s: float, seed: int, texts: list[str], quick: bool) -> dict[str, Any]:
+                       duration_s: float, seed: int, texts: list[str], quick: bool,
+                       algorithm: str = "p2c") -> dict[str, Any]:
     cap = sc.nominal_capacity(profile.max_batch_items)
     fractions = [0.5, 1.0] if quick else sc.fractions
     rates = [round(f * cap, 1) for f in fractions]
@@ -374,7 +381,7 @@ async def run_scenario(sc: Scenario, nats_url: str, work: Path, profile: Serving
             try:
                 await driver.wait_workers(workers, timeout=180)
                 for policy in group:
-                    router = Router(policy, workers, driver.js, seed)
+                    router = Router(policy, workers, driver.js, seed, algorithm)
                     policies[policy] = await run_policy(driver, router, sc, rates, overload, duration_s, seed, texts)
                     workers.check_alive()
             finally:
@@ -454,9 +461,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--point-s", type=float, default=None, help="Seconds of arrivals per rate (default 3; quick 1).")
     p.add_argument("--slo-ms", type=float, default=500.0, help="p99 objective of the synthetic scenarios "
                    "(the MiniLM scenario uses twice this).")
-    p.add_argument("--batches-in-flight", type=int, default=None,
-                   help="Worker profile for every policy (default: lorafleet's default profile).")
+    p.add_argument("--batches-in-flight", type=int, default=1,
+                   help="Worker profile for every policy (default 1: a worker commits to no task before it is "
+                        "free; lorafleet's default profile pre-pulls 2).")
     p.add_argument("--max-batch-items", type=int, default=None, help="Worker profile for every policy.")
+    p.add_argument("--push-algorithm", choices=list(ALGORITHMS), default="p2c",
+                   help="How the push router picks a worker (default p2c: the stronger choice on stale load).")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "routing.json")
     return p.parse_args(argv)
@@ -489,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
             for n in names:
                 try:
                     results[n] = asyncio.run(run_scenario(all_sc[n], server.url, work, profile, queue, duration,
-                                                          args.seed, texts, args.quick))
+                                                          args.seed, texts, args.quick, args.push_algorithm))
                 except Exception as exc:
                     say(f"  {n}: failed: {exc}")
                     results[n] = {"error": str(exc)}
@@ -499,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": "routing", "when": stamp(), "quick": args.quick, "machine": {**info, "loadavg_end": loadavg()},
         "setup": {"profile": profile.model_dump(), "queue_storage": queue.storage, "point_s": duration,
-                  "push_algorithm": "power of two choices (P2C) on outstanding tasks per worker",
+                  "push_algorithm": ALGORITHMS[args.push_algorithm],
                   "push_stale_poll_ms": POLL_S * 1000, "arrival_seed": args.seed,
                   "load_generator": "lorafleet.tune.loadgen.open_loop_calls (latency from intended send time)"},
         "scenarios": results,

@@ -233,7 +233,10 @@ def main(argv: list[str] | None = None) -> int:
     if "test_ndcg@10" in lo and "test_ndcg@10" in fu:
         ratios = {
             "full/lora seconds per epoch": round(fu["seconds_per_epoch"] / lo["seconds_per_epoch"], 2),
-            "full/lora peak RSS": round(fu["peak_rss_mb"] / lo["peak_rss_mb"], 2),
+            "full/lora peak RSS while training": round(fu["peak_rss_training_mb"] / lo["peak_rss_training_mb"], 2),
+            "full/lora RSS growth while training": round(
+                (fu["peak_rss_training_mb"] - fu["peak_rss_before_training_mb"])
+                / max(lo["peak_rss_training_mb"] - lo["peak_rss_before_training_mb"], 1.0), 2),
             "full/lora checkpoint size": round(fu["checkpoint_bytes"] / lo["checkpoint_bytes"], 1),
             "lora − full test nDCG@10": round(lo["test_ndcg@10"] - fu["test_ndcg@10"], 4),
         }

@@ -173,6 +173,10 @@ class Gateway:
 
     async def _on_result(self, msg: Msg) -> None:
         request_id = msg.subject[len(self._inbox):]
+        if msg.reply:
+            # Confirm receipt: a worker acks its task only once a gateway has the result, so a
+            # result sent while this gateway was reconnecting is redelivered instead of lost.
+            await self.nc.publish(msg.reply, b"")
         try:
             result = wire.Result.from_wire(msg.data)
         except Exception:  # a stray message on our inbox must not kill the subscription

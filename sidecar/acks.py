@@ -27,6 +27,7 @@ class Situation(StrEnum):
     ADAPTER_FAILED = "adapter_failed"  # transient: loading raised something else
     RUNTIME_FAILED = "runtime_failed"  # the batch (and the task alone) raised during encode
     SHUTDOWN = "shutdown"  # drain timed out before the task was computed
+    UNDELIVERED = "undelivered"  # computed, but no gateway confirmed the result (it was reconnecting)
 
 
 class Settle(StrEnum):
@@ -64,6 +65,9 @@ ACK_TABLE: dict[tuple[Situation, bool], Action] = {
     (Situation.ADAPTER_FAILED, True): Action(ERR_ADAPTER, Settle.TERM, dead_letter=True),
     (Situation.RUNTIME_FAILED, False): _RETRY,
     (Situation.RUNTIME_FAILED, True): Action(ERR_RUNTIME, Settle.TERM, dead_letter=True),
+    # The result did not reach a gateway: keep the task so a later delivery answers it.
+    (Situation.UNDELIVERED, False): _RETRY,
+    (Situation.UNDELIVERED, True): Action(ERR_RUNTIME, Settle.TERM, dead_letter=True),
     # Draining worker gives the task back at once so another worker takes it without delay.
     (Situation.SHUTDOWN, False): Action(None, Settle.NAK),
     (Situation.SHUTDOWN, True): Action(ERR_RUNTIME, Settle.TERM, dead_letter=True),

@@ -44,6 +44,7 @@ from lorafleet.wire import (
 log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 30.0  # initial connect; once connected, reconnects go on for ever
+RESULT_RECEIPT_TIMEOUT_S = 2.0  # a gateway confirms a result within ms; longer means it is gone
 
 
 @dataclass(slots=True)
@@ -325,29 +326,50 @@ class NatsSide:
     async def _complete(self, batch: Batch, outcomes: list[Outcome], started: float) -> None:
         n = len(batch.items)
         dim = self.dims.get(batch.base, 0)
+        ok = [(item, out) for item, out in zip(batch.items, outcomes, strict=True) if out.situation is Situation.OK]
+        # Results go out together; each is acked only after its gateway confirmed it (see _deliver).
+        delivered = await asyncio.gather(*(
+            self._deliver(Result(item.task.id, item.task.index, self.worker_id, vector=out.vector, dim=dim,
+                                 queue_ms=max(started - item.task.enqueued, 0.0) * 1000.0, batch_size=n),
+                          item.task.reply)
+            for item, out in ok
+        ))
+        undelivered = {id(item) for (item, _), done in zip(ok, delivered, strict=True) if not done}
         for item, out in zip(batch.items, outcomes, strict=True):
-            task = item.task
-            result = None
-            if out.situation is Situation.OK:
-                result = Result(task.id, task.index, self.worker_id, vector=out.vector, dim=dim,
-                                queue_ms=max(started - task.enqueued, 0.0) * 1000.0, batch_size=n)
-            await self._settle(item.msg, batch.base, out.situation, task=task, result=result, reason=out.message,
-                               batch_size=n)
+            situation, reason = out.situation, out.message
+            if id(item) in undelivered:
+                situation, reason = Situation.UNDELIVERED, "no gateway confirmed the result"
+            await self._settle(item.msg, batch.base, situation, task=item.task, reason=reason, batch_size=n,
+                               replied=situation is Situation.OK)
         self.batches_done += 1
 
+    async def _deliver(self, result: Result, reply: str) -> bool:
+        """Send one result as a request and wait for the gateway's receipt.
+
+        Core NATS drops a message nobody is subscribed to; a gateway that is reconnecting (or a
+        server that just restarted) would never see the result of a task we then ack. With a
+        receipt, "no responders" or a timeout leaves the task un-acked for redelivery instead.
+        Duplicates that this can cause are dropped by the gateway.
+        """
+        try:
+            await self.nc.request(reply, result.to_wire(), timeout=RESULT_RECEIPT_TIMEOUT_S)
+            return True
+        except Exception as exc:  # NoRespondersError, TimeoutError, connection errors
+            log.info("result of task %s not confirmed (%s); it will be redelivered", result.task_id,
+                     type(exc).__name__)
+            return False
+
     async def _settle(self, msg: Any, base: str, situation: Situation, *, task: Task | None = None,
-                      result: Result | None = None, reason: str = "", batch_size: int = 0) -> None:
+                      reason: str = "", batch_size: int = 0, replied: bool = False) -> None:
         deliveries = _num_delivered(msg)
         action = decide(situation, deliveries, self._max_deliver)
         try:
-            if action.reply is not None:
+            # Results were already delivered with a receipt (_deliver); errors go out here.
+            if action.reply not in (None, REPLY_RESULT) and not replied:
                 target = (task.reply, task.id, task.index) if task else _reply_hint(msg.data)
                 if target is not None:
-                    if action.reply == REPLY_RESULT and result is not None:
-                        body = result.to_wire()
-                    else:
-                        body = Result(target[1], target[2], self.worker_id, error_code=action.reply,
-                                      error_message=reason or situation.value, batch_size=batch_size).to_wire()
+                    body = Result(target[1], target[2], self.worker_id, error_code=action.reply,
+                                  error_message=reason or situation.value, batch_size=batch_size).to_wire()
                     await self.nc.publish(target[0], body)
             settle = action.settle
             if action.dead_letter and not await self._dead_letter(msg, base, reason or situation.value, deliveries):

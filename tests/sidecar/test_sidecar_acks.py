@@ -55,3 +55,12 @@ def test_shutdown_gives_task_back_without_delay() -> None:
 def test_last_delivery() -> None:
     assert not is_last_delivery(1, 2) and is_last_delivery(2, 2) and is_last_delivery(3, 2)
     assert is_last_delivery(None, 1) and not is_last_delivery(None, 2)
+
+
+def test_unconfirmed_result_is_retried_then_dead_lettered() -> None:
+    from lorafleet.sidecar.acks import Situation, decide
+
+    first = decide(Situation.UNDELIVERED, 1, 5)
+    assert first.settle is Settle.NAK and first.nak_delay and first.reply is None
+    last = decide(Situation.UNDELIVERED, 5, 5)
+    assert last.settle is Settle.TERM and last.dead_letter

@@ -81,6 +81,14 @@ def make_task(text: str, reply: str, *, adapter: str | None = None, adapter_uri:
                 adapter_uri=adapter_uri)
 
 
+async def receive(nc: Any, sub: Any, timeout: float) -> Result:
+    """Take one result off the inbox and confirm it, as the gateway does (workers ack after the receipt)."""
+    msg = await sub.next_msg(timeout=timeout)
+    if msg.reply:
+        await nc.publish(msg.reply, b"")
+    return Result.from_wire(msg.data)
+
+
 async def roundtrip(url: str, tasks: list[Task], raw: list[bytes] = (), timeout: float = 20.0,
                     expect: int | None = None) -> list[Result]:
     """Publish tasks (and raw bodies) to the work stream, gather Results from the shared reply inbox."""
@@ -99,10 +107,9 @@ async def roundtrip(url: str, tasks: list[Task], raw: list[bytes] = (), timeout:
     try:
         while len(out) < want and time.monotonic() < deadline:
             try:
-                msg = await sub.next_msg(timeout=0.5)
+                out.append(await receive(nc, sub, 0.5))
             except TimeoutError:
                 continue
-            out.append(Result.from_wire(msg.data))
     finally:
         await nc.close()
     return out
@@ -230,12 +237,12 @@ async def sigterm_midway(url: str, tasks: list[Task], worker: WorkerProcess) -> 
     results = await nc.subscribe(f"{inbox_prefix('itest-gw')}.>")
     beats = await nc.subscribe(heartbeat_subject(worker.worker_id))
     await asyncio.gather(*(js.publish(work_subject(BASE), t.to_wire(), headers={HDR_MSG_ID: t.id}) for t in tasks))
-    first = Result.from_wire((await results.next_msg(timeout=10)).data)
+    first = await receive(nc, results, 10)
     worker.terminate()
     answered = {first.task_id: first}
     while worker.proc.poll() is None or results.pending_msgs:
         try:
-            r = Result.from_wire((await results.next_msg(timeout=0.2)).data)
+            r = await receive(nc, results, 0.2)
             answered[r.task_id] = r
         except TimeoutError:
             continue
