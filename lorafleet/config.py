@@ -158,15 +158,20 @@ class FleetConfig(StrictModel):
         raise KeyError(name)
 
 
-def load_yaml_model(model: type[StrictModel], path: str | Path, section: str | None = None) -> Any:
-    """Load `path` (optionally one top-level `section` of it) into `model`, with readable errors."""
+def read_yaml(path: str | Path) -> Any:
+    """The parsed YAML of `path` (`{}` for an empty file), or a ConfigError that names the file."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        return yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
+
+
+def load_yaml_model(model: type[StrictModel], path: str | Path, section: str | None = None) -> Any:
+    """Load `path` (optionally one top-level `section` of it) into `model`, with readable errors."""
+    raw = read_yaml(path)
     if section is not None:
         if not isinstance(raw, dict) or section not in raw:
             raise ConfigError(f"{path} has no top-level '{section}:' section")

@@ -13,10 +13,9 @@ import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from lorafleet.config import ConfigError, StrictModel, apply_overrides, validate_model
+from lorafleet.config import ConfigError, StrictModel, apply_overrides, read_yaml, validate_model
 
 STUDY_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 
@@ -220,12 +219,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None, train_mode
                 ) -> LoadedConfig:
     """Read `train:` + `research:` from a YAML file, apply `--set` overrides, validate both."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
+    raw = read_yaml(path)
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must be a mapping with 'train:' and 'research:' sections")
     raw = apply_overrides(raw, list(overrides or []))

@@ -5,10 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-import yaml
 from pydantic import Field, field_validator, model_validator
 
-from lorafleet.config import PACKAGED_MINILM, ConfigError, StrictModel, apply_overrides, validate_model
+from lorafleet.config import PACKAGED_MINILM, ConfigError, StrictModel, apply_overrides, read_yaml, validate_model
 
 QueryKind = Literal["heading", "citation"]
 
@@ -102,12 +101,7 @@ class TrainConfig(StrictModel):
 def load_train_config(path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
     """Read the `train:` section of `path`; `overrides` are `key=value` relative to it (`lora.r=16`)."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
+    raw = read_yaml(path)
     if not isinstance(raw, dict) or "train" not in raw:
         raise ConfigError(f"{path} has no top-level 'train:' section")
     section = raw["train"] or {}
