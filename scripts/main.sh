@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The main job: a research run on the default config (Optuna study of LoRA trainings, tracked in
+# the local MLflow store; it ends by tuning and registering the winner as 'candidate'), then a
+# local serving cluster (embedded nats-server), promotion of the winner, and a query to it.
+# Extra arguments go to `lorafleet research run` (e.g. --trials 3 --budget-minutes 30).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}"
+export LORAFLEET_DATA_DIR="${LORAFLEET_DATA_DIR:-$(cd .. && pwd)/shared/data}"
+LF=.venv/bin/lorafleet
+
+$LF research run configs/german-legal.yaml "$@"
+$LF registry list
+$LF up --workers 1 --detach
+trap '$LF down' EXIT
+if $LF promote german-legal; then
+  $LF embed --model german-legal "Kündigung des Arbeitsverhältnisses wegen dringender betrieblicher Erfordernisse"
+else
+  echo "no candidate passed the promotion gate; the base model keeps serving" >&2
+  $LF embed --model all-MiniLM-L6-v2 "Kündigung des Arbeitsverhältnisses wegen dringender betrieblicher Erfordernisse"
+fi
+echo "compare the research runs and model versions: lorafleet ui  (see docs/mlflow-ui.md)"
