@@ -41,7 +41,19 @@ from typing import Any
 import nats
 import yaml
 
-from lorafleet.bench.common import RESULTS_DIR, fmt, german_sentences, loadavg, machine_info, say, stamp, write_json
+from lorafleet.bench.common import (
+    RESULTS_DIR,
+    exit_on_sigterm,
+    fmt,
+    german_sentences,
+    loadavg,
+    machine_info,
+    say,
+    spawn,
+    stamp,
+    stop_all,
+    write_json,
+)
 from lorafleet.config import BaseModelSpec, FleetConfig, QueueConfig, ServingProfile, WorkerConfig
 from lorafleet.tune.loadgen import LoadResult, open_loop_calls, poisson_schedule
 from lorafleet.wire import HDR_MSG_ID, HEARTBEAT_PREFIX, Heartbeat, Result, Task, consumer_name, work_subject
@@ -138,29 +150,20 @@ class Workers:
         return [f"{m}--{worker}" if self.private else m for m in self.sc.models]
 
     def start(self) -> None:
-        import subprocess
-
         costs = json.dumps({m: list(c) for m, c in self.sc.models.items() if c is not None})
         env = None
         if any(c is None for c in self.sc.models.values()):
-            import os
-
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+            env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # two MiniLM workers share two cores
         for w, slow in zip(self.names, self.sc.slowdowns, strict=True):
             argv = [sys.executable, "-m", "lorafleet.bench.synth_worker", "--fleet", str(self.fleet_file),
                     "--nats-url", self.nats_url, "--worker-id", w, "--costs", costs, "--slowdown", str(slow)]
             for b in self.bases_of(w):
                 argv += ["--base", b]
-            log = open(self.work / f"{self.sc.name}-{self.policy}-{w}.log", "ab")  # noqa: SIM115
-            self.procs[w] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                             env=env, start_new_session=True)
-            log.close()
+            self.procs[w] = spawn(argv, self.work / f"{self.sc.name}-{self.policy}-{w}.log", env)
 
     def stop(self) -> None:
-        from lorafleet.serve.cluster import stop_group
-
-        for p in self.procs.values():
-            stop_group(p.pid, 15.0)
+        # All at once, briefly: the queue is already settled, a graceful drain has nothing left to do.
+        stop_all(list(self.procs.values()), timeout=5.0)
         self.procs.clear()
 
     def check_alive(self) -> None:
@@ -187,6 +190,8 @@ class Driver:
         await self.nc.subscribe(HEARTBEAT_PREFIX + ".>", cb=self._on_heartbeat)
 
     async def _on_result(self, msg: Any) -> None:
+        if msg.reply:  # the worker acks a task only after this receipt, as the gateway gives it
+            await self.nc.publish(msg.reply, b"")
         try:
             r = Result.from_wire(msg.data)
         except Exception:
@@ -474,6 +479,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    exit_on_sigterm()
     all_sc = scenarios(args.slo_ms)
     names = args.scenarios.split(",") if args.scenarios else (["equal", "slow"] if args.quick else list(all_sc))
     unknown = [n for n in names if n not in all_sc]

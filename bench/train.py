@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lorafleet.bench.common import RESULTS_DIR, fmt, loadavg, machine_info, say, stamp, write_json
+from lorafleet.bench.common import RESULTS_DIR, exit_on_sigterm, fmt, loadavg, machine_info, say, stamp, write_json
 
 ARMS = ("base", "lora", "full")
 FULL_LR = 5e-5  # full fine-tuning moves every weight: an order of magnitude below LoRA's default
@@ -44,8 +44,10 @@ def train_config(quick: bool, epochs: int) -> Any:
                 "max_chunks_per_section": 1}
         return TrainConfig(data=data, epochs=epochs, batch_size=8, max_seq_length=64, device="cpu",
                            eval_batch_size=32)
-    return TrainConfig(data={"hard_negatives": False}, epochs=epochs, batch_size=32, max_seq_length=128,
-                       device="cpu", eval_batch_size=32)
+    # The labour-law statutes (as bench/research.py): 120 training, 38 dev and 42 test queries.
+    laws = ["kschg", "milog", "tzbfg", "prodhaftg", "agg", "arbzg"]
+    return TrainConfig(data={"laws": laws, "hard_negatives": False}, epochs=epochs, batch_size=16,
+                       max_seq_length=128, device="cpu", eval_batch_size=32)
 
 
 def peak_rss_mb() -> float:
@@ -191,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="Two small laws, 1 epoch, short sequences (under a minute).")
     p.add_argument("--epochs", type=int, default=None, help="Epochs per arm (default 2; quick 1).")
-    p.add_argument("--budget-s", type=float, default=None, help="Training time budget per arm (default 180; quick 30).")
+    p.add_argument("--budget-s", type=float, default=None, help="Training time budget per arm (default 150; quick 30).")
     p.add_argument("--arms", default=None,
                    help="Comma-separated subset of base,lora,full (default all; quick lora,full).")
     p.add_argument("--threads", type=int, default=None, help="torch threads per arm (default: the number of CPUs).")
@@ -200,11 +202,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    exit_on_sigterm()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     epochs = args.epochs or (1 if args.quick else 2)
     threads = args.threads or os.cpu_count() or 1
-    budget_s = args.budget_s or (30.0 if args.quick else 180.0)
+    budget_s = args.budget_s or (30.0 if args.quick else 150.0)
     if args.arm:  # child: one arm, result to --child-out
         import logging
 

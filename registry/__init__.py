@@ -5,6 +5,7 @@ Public API (imported lazily so `import lorafleet.registry` stays cheap):
     set_alias(name, alias, version), alias_version(name, alias), get_version(name, ref), versions(name)
     download_bundle(name, version|alias, dest) -> Path     (every sha256 checked)
     promote(name, version=None, force=False, …) / rollback(name, …) -> Outcome
+    ship_research_result(research_result, …) -> Shipped   (tune + register as 'candidate')
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ _EXPORTS = {
     "promote": "lorafleet.registry.promote",
     "rollback": "lorafleet.registry.promote",
     "check_gate": "lorafleet.registry.promote",
+    "ship_research_result": "lorafleet.registry.ship",
     "install_sidecar_scheme": "lorafleet.registry.uri",
     "resolve_models_uri": "lorafleet.registry.uri",
 }

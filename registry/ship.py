@@ -17,6 +17,7 @@ from lorafleet.config import PACKAGED_MINILM, ServingProfile
 from lorafleet.registry.store import CANDIDATE, BundleRef, register_bundle
 
 Say = Callable[[str], None]
+TAG_PARENT = "research.parent_run_id"
 
 
 @dataclass
@@ -39,6 +40,22 @@ def _dataset_digest(run_id: str | None) -> str | None:
         return None
 
 
+def _already_shipped(name: str, parent_run_id: str | None, trial: object) -> Any:
+    """The version registered earlier for this very winner (a resumed or second finalizing process)."""
+    if not parent_run_id:
+        return None
+    from lorafleet.registry.store import RegistryError, versions
+
+    try:
+        known = versions(name)
+    except RegistryError:
+        return None
+    for info in known:
+        if info.tags.get(TAG_PARENT) == parent_run_id and info.tags.get("research.winner_trial") == str(trial):
+            return info
+    return None
+
+
 def ship_research_result(result: Any, *, name: str | None = None, tune: bool = True, tune_quick: bool = False,
                          tune_config: Any = None, require_candidate: bool = True,
                          say: Say | None = None) -> Shipped | None:
@@ -56,6 +73,13 @@ def ship_research_result(result: Any, *, name: str | None = None, tune: bool = T
         say(f"[ship] no winner adapter folder ({adapter_dir!r}): nothing tuned or registered")
         return None
     name = name or result.study
+    done = _already_shipped(name, getattr(result, "parent_run_id", None), getattr(result, "winner_trial", None))
+    if done is not None:
+        from lorafleet.registry.store import bundle_spec
+
+        say(f"[ship] this winner is already registered as {name} v{done.version}; nothing to do")
+        _, spec = bundle_spec(name, done.version)
+        return Shipped(BundleRef(name, done.version), spec.profile, spec.profile_source, None)
     config = dict(getattr(result, "winner_config", None) or {})
     base_source = str(config.get("base_model") or PACKAGED_MINILM)
     max_seq_length = config.get("max_seq_length")
@@ -77,7 +101,8 @@ def ship_research_result(result: Any, *, name: str | None = None, tune: bool = T
         metrics=metrics, dataset_digest=_dataset_digest(getattr(result, "parent_run_id", None)),
         report_paths=reports, max_seq_length=max_seq_length, run_id=getattr(result, "parent_run_id", None),
         alias=CANDIDATE, description=getattr(result, "verdict", None) or None,
-        extra_tags={"research.study": str(result.study), "research.winner_trial": str(result.winner_trial)},
+        extra_tags={"research.study": str(result.study), "research.winner_trial": str(result.winner_trial),
+                    TAG_PARENT: str(getattr(result, "parent_run_id", ""))},
     )
     say(f"[ship] registered {ref.name} v{ref.version} as '{CANDIDATE}'; promote it with: lorafleet promote {ref.name}")
     return Shipped(ref, profile or ServingProfile(), profile_source, tune_dir)

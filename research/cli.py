@@ -20,14 +20,21 @@ def _fail(exc: Exception) -> None:
     raise typer.Exit(2)
 
 
-def _finish(result: object) -> None:
+def _finish(result: object, ship: bool = True, tune_quick: bool = False) -> None:
     from .report import print_summary
     from .runner import ResearchResult
 
     assert isinstance(result, ResearchResult)
     print_summary(result)
-    # Hook for the ship step (tune the serving profile, register the bundle as "candidate"):
-    # when result.candidate is True, it takes result.winner_adapter_dir / winner_config / metrics.
+    # The ship step: tune the winner's serving profile, register the bundle, alias "candidate".
+    if ship and result.candidate:
+        from lorafleet.registry.ship import ship_research_result
+
+        try:
+            ship_research_result(result, tune_quick=tune_quick, say=lambda t: typer.echo(t, err=True))
+        except Exception as exc:  # the research result stands; only shipping failed
+            typer.echo(f"error: shipping the winner failed: {type(exc).__name__}: {exc}", err=True)
+            raise typer.Exit(1) from exc
 
 
 @research_app.command("run")
@@ -41,6 +48,9 @@ def run_cmd(
     worker: bool = typer.Option(False, "--worker", help="Only run trials of the study; leave baseline and summary "
                                 "to the other processes."),
     plain: bool = typer.Option(False, "--plain", help="Plain progress lines even on a terminal."),
+    ship: bool = typer.Option(True, "--ship/--no-ship", envvar="LORAFLEET_RESEARCH_SHIP",
+                              help="Tune and register a candidate winner (alias 'candidate') at the end."),
+    tune_quick: bool = typer.Option(False, "--tune-quick", help="Ship with the quick serving-profile sweep."),
 ) -> None:
     """Start (or join) a research study and end with the baseline-vs-winner verdict."""
     from lorafleet.config import ConfigError
@@ -66,7 +76,7 @@ def run_cmd(
         return
     except KeyboardInterrupt:
         _interrupted(name)
-    _finish(result)
+    _finish(result, ship=ship, tune_quick=tune_quick)
 
 
 def _interrupted(study: str) -> None:
@@ -81,6 +91,9 @@ def resume_cmd(
     budget_minutes: float | None = typer.Option(None, "--budget-minutes", help="Wall-clock budget of this run."),
     storage: str | None = typer.Option(None, "--storage", help=_STORAGE_HELP),
     plain: bool = typer.Option(False, "--plain", help="Plain progress lines even on a terminal."),
+    ship: bool = typer.Option(True, "--ship/--no-ship", envvar="LORAFLEET_RESEARCH_SHIP",
+                              help="Tune and register a candidate winner (alias 'candidate') at the end."),
+    tune_quick: bool = typer.Option(False, "--tune-quick", help="Ship with the quick serving-profile sweep."),
 ) -> None:
     """Continue a study after a crash: interrupted trials are failed and their configurations retried."""
     from lorafleet.config import ConfigError
@@ -98,7 +111,7 @@ def resume_cmd(
         return
     except KeyboardInterrupt:
         _interrupted(name)
-    _finish(result)
+    _finish(result, ship=ship, tune_quick=tune_quick)
 
 
 def register(app: typer.Typer) -> None:

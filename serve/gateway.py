@@ -97,6 +97,7 @@ class Gateway:
         self._retry_after = {"Retry-After": str(self.cfg.retry_after_s)}
         self._connector: asyncio.Task[None] | None = None
         self._stream_setup: asyncio.Task[None] | None = None
+        self._fleet_watch: Any = None  # registry.fleet_state.FleetWatcher, once connected
         self._last_nats_error = 0.0
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -106,6 +107,8 @@ class Gateway:
         self._connector = asyncio.create_task(self._connect(), name="lorafleet-gateway-connect")
 
     async def stop(self) -> None:
+        if self._fleet_watch is not None:
+            await self._fleet_watch.stop()
         for task in (self._connector, self._stream_setup):
             if task is not None and not task.done():
                 task.cancel()
@@ -140,7 +143,22 @@ class Gateway:
         await nc.subscribe(wire.HEARTBEAT_PREFIX + ".>", cb=self._on_heartbeat)
         self.nc, self.js = nc, js
         log.info("gateway %s connected to %s", self.gateway_id, self.nats_url)
+        await self._watch_fleet_state(js)
         await self._ensure_streams()
+
+    async def _watch_fleet_state(self, js: JetStreamContext) -> None:
+        """Promoted bundles (`lorafleet promote`) arrive through the fleet KV bucket; routes swap live."""
+        from lorafleet.registry.fleet_state import FleetWatcher, merge_models
+
+        def on_change(table: dict[str, Any]) -> None:
+            self.resolver.set_models(merge_models(self.fleet.models, table.values(), self.resolver.bases))
+            log.info("fleet state: serving %s", ", ".join(self.resolver.served_names()))
+
+        try:
+            self._fleet_watch = FleetWatcher(js, on_change)
+            await self._fleet_watch.start()
+        except Exception as exc:  # the fleet file's models still work without it
+            log.warning("cannot watch the fleet state bucket: %r; serving the fleet file's models only", exc)
 
     async def _ensure_streams(self) -> None:
         while self.js is not None:

@@ -108,6 +108,8 @@ class NatsSide:
         self._psubs: dict[str, Any] = {}
         self.tasks_done = 0
         self.batches_done = 0
+        self.on_fleet_state: Callable[[dict[str, Any]], None] | None = None  # set by the worker
+        self._fleet_watch: Any = None
         self._seq = 0
         q = fleet.queue
         self._max_deliver = q.max_deliver
@@ -179,6 +181,14 @@ class NatsSide:
         for base in self.bases:
             await ensure_consumer(self.js, base, self.fleet.queue)
         log.info("connected to %s; consumers ready for %s", self.nats_url, ", ".join(self.bases))
+        if self.on_fleet_state is not None:  # promoted bundles: URIs and profiles per adapter id
+            from lorafleet.registry.fleet_state import FleetWatcher
+
+            try:
+                self._fleet_watch = FleetWatcher(self.js, self.on_fleet_state)
+                await self._fleet_watch.start()
+            except Exception as exc:
+                log.warning("cannot watch the fleet state bucket: %r; using the fleet file only", exc)
         self.connected.set()
         waiters = [asyncio.ensure_future(self._models_ready.wait()), asyncio.ensure_future(self._stop.wait())]
         await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
@@ -203,6 +213,8 @@ class NatsSide:
         await asyncio.gather(*background, return_exceptions=True)
         if served:
             await self._publish_heartbeat(0.0)  # last word: draining=True, in_flight 0
+        if self._fleet_watch is not None:
+            await self._fleet_watch.stop()
         for psub in self._psubs.values():
             try:
                 await psub.unsubscribe()  # before drain(), which otherwise hangs on pull subscriptions

@@ -16,6 +16,7 @@ import socket
 import threading
 import time
 from types import FrameType
+from typing import Any
 
 import numpy as np
 
@@ -53,6 +54,13 @@ class FleetLookup:
     def __init__(self, fleet: FleetConfig) -> None:
         self.default = fleet.worker.profile
         self.served = {m.resolved_adapter_id: m for m in fleet.models}
+        self._static = dict(self.served)
+
+    def apply_fleet_state(self, table: dict[str, Any]) -> None:
+        """Promoted bundles from the fleet KV bucket: adapter id → URI and serving profile (one swap)."""
+        from lorafleet.registry.fleet_state import by_adapter_id
+
+        self.served = {**self._static, **by_adapter_id(table.values())}
 
     def profile_for(self, base: str, adapter: str | None) -> ServingProfile:
         served = self.served.get(adapter) if adapter else None
@@ -144,6 +152,10 @@ def run_worker(fleet: FleetConfig, *, nats_url: str | None = None, worker_id: st
     serve = select_bases(fleet, bases)
     lookup = FleetLookup(fleet)
     side = NatsSide(fleet, nats_url or fleet.nats_url, worker_id, serve, lookup.profile_for)
+    from lorafleet.registry.uri import install_sidecar_scheme
+
+    install_sidecar_scheme()  # adapter URIs models:/NAME/N: fetched from MLflow, sha256-checked, cached
+    side.on_fleet_state = lookup.apply_fleet_state
     signals = {"count": 0}
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

@@ -15,6 +15,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
+# `research run` ends by tuning + registering its winner (minutes); CLI tests of research skip that step,
+# tests/integration/test_ship.py walks it.
+os.environ.setdefault("LORAFLEET_RESEARCH_SHIP", "false")
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -20,6 +20,7 @@ class ProfileResult:
     peak_rss_mb: float
     peak_gpu_mb: float | None = None
     errors: int = 0
+    unsent: int = 0  # open-loop requests the server fell too far behind to take: the load was not sustained
     gen_cpu_pct: float = 0.0
     restart_s: float = 0.0
     points: list[dict[str, Any]] = field(default_factory=list)
@@ -36,7 +37,7 @@ class ProfileResult:
                 "max_wait_ms": p.max_wait_ms, "batches_in_flight": p.batches_in_flight,
                 "throughput_rps": round(self.throughput_rps, 2), "p50_ms": _r(self.p50_ms), "p99_ms": _r(self.p99_ms),
                 "peak_rss_mb": round(self.peak_rss_mb, 1), "peak_gpu_mb": _r(self.peak_gpu_mb),
-                "errors": self.errors, "gen_cpu_pct": round(self.gen_cpu_pct, 2),
+                "errors": self.errors, "unsent": self.unsent, "gen_cpu_pct": round(self.gen_cpu_pct, 2),
                 "restart_s": round(self.restart_s, 2), "on_front": self.on_front, "recommended": self.recommended}
 
 
@@ -46,7 +47,7 @@ def _r(v: float | None) -> float | None:
 
 def pareto_front(results: list[ProfileResult]) -> list[ProfileResult]:
     """Profiles no other profile beats on both throughput (higher) and p99 (lower); sorted by throughput."""
-    valid = [r for r in results if r.p99_ms is not None and r.errors == 0]
+    valid = [r for r in results if r.p99_ms is not None and r.errors == 0 and r.unsent == 0]
     front = []
     for r in valid:
         dominated = any(
@@ -68,7 +69,7 @@ class Recommendation:
 
 def recommend(results: list[ProfileResult], slo_p99_ms: float, memory_mb: float | None) -> Recommendation | None:
     """Highest throughput within the p99 SLO and memory limit; else the lowest-p99 profile, flagged."""
-    valid = [r for r in results if r.p99_ms is not None and r.errors == 0]
+    valid = [r for r in results if r.p99_ms is not None and r.errors == 0 and r.unsent == 0]
     if not valid:
         return None
     fits = [r for r in valid if r.p99_ms <= slo_p99_ms  # type: ignore[operator]
@@ -90,7 +91,9 @@ def plateaued(history: list[float], gain: float, patience: int) -> bool:
 
 
 def score(r: ProfileResult, slo_p99_ms: float, memory_mb: float | None) -> tuple[int, float]:
-    """Order for choosing the centre of the next sweep phase: profiles inside the limits first, then throughput."""
-    inside = (r.errors == 0 and r.p99_ms is not None and r.p99_ms <= slo_p99_ms
-              and (memory_mb is None or r.peak_rss_mb <= memory_mb))
-    return (1 if inside else 0, r.throughput_rps)
+    """Order for choosing the centre of the next sweep phase, the same preference as `recommend`:
+    inside the limits by throughput; outside them (nothing fits yet) by lower p99."""
+    if r.errors or r.unsent or r.p99_ms is None:
+        return (-1, r.throughput_rps)
+    inside = r.p99_ms <= slo_p99_ms and (memory_mb is None or r.peak_rss_mb <= memory_mb)
+    return (1, r.throughput_rps) if inside else (0, -r.p99_ms)

@@ -30,6 +30,7 @@ class LoadResult:
     duration_s: float
     latencies_ms: list[float] = field(default_factory=list)
     errors: int = 0
+    unsent: int = 0  # open loop: every connection busy, so the generator could not send on time
     statuses: dict[int, int] = field(default_factory=dict)
     gen_cpu_s: float = 0.0
 
@@ -50,7 +51,8 @@ class LoadResult:
 
     def summary(self) -> dict[str, float | int | str | None]:
         return {"mode": self.mode, "level": self.level, "duration_s": round(self.duration_s, 3),
-                "requests": self.ok, "errors": self.errors, "throughput_rps": round(self.throughput, 2),
+                "requests": self.ok, "errors": self.errors, "unsent": self.unsent,
+                "throughput_rps": round(self.throughput, 2),
                 "p50_ms": _r(self.percentile(50)), "p90_ms": _r(self.percentile(90)),
                 "p99_ms": _r(self.percentile(99)), "gen_cpu_pct": round(self.gen_cpu_pct, 2)}
 
@@ -189,8 +191,9 @@ async def open_loop(target: Target, rate: float, duration_s: float, seed: int = 
     """Poisson arrivals at `rate`/s for `duration_s`; latency from each request's intended send time.
 
     Requests never wait for each other: each goes out on a free keep-alive connection, opening a
-    new one when all are busy (up to `max_connections`; beyond that the request counts as failed,
-    since an overloaded client would be measuring itself). Stragglers get `drain_s` to finish.
+    new one when all are busy (up to `max_connections`; beyond that the request is counted as
+    `unsent`: the server fell so far behind that the offered load was not sustained, and an
+    overloaded client would be measuring itself). Stragglers get `drain_s`, then count as unsent too.
     """
     result = LoadResult("open", rate, duration_s)
     schedule = poisson_schedule(rate, duration_s, seed)
@@ -208,7 +211,7 @@ async def open_loop(target: Target, rate: float, duration_s: float, seed: int = 
             opened += 1
             conn = target.connection()
         else:
-            result.errors += 1
+            result.unsent += 1
             return
         await _one(conn, target.body_for(i), intended, result)
         idle.append(conn)
@@ -225,7 +228,7 @@ async def open_loop(target: Target, rate: float, duration_s: float, seed: int = 
         _, pending = await asyncio.wait(set(tasks), timeout=drain_s)
         for task in pending:
             task.cancel()
-        result.errors += len(pending)
+        result.unsent += len(pending)
     result.duration_s = max(time.perf_counter() - start, duration_s)
     result.gen_cpu_s = time.process_time() - cpu0
     for conn in idle:

@@ -372,8 +372,7 @@ class Sweeper:
                 points.append(_run_async(closed_loop(target, c, cfg.point_s)))
             throughput = max(p.throughput for p in points)
             if not self.open_rates:  # the first (baseline) profile fixes the offered rates for all
-                self.baseline_rps = throughput
-                self.open_rates = [round(max(f * throughput, 1.0), 1) for f in cfg.open_fractions]
+                self.calibrate(target, throughput)
             for i, rate in enumerate(self.open_rates):
                 duration = min(max(cfg.point_s, cfg.min_open_requests / rate), 3 * cfg.point_s)
                 points.append(_run_async(open_loop(target, rate, duration, seed=cfg.seed + i)))
@@ -382,9 +381,23 @@ class Sweeper:
         return ProfileResult(
             profile=profile, phase=phase, throughput_rps=throughput, p50_ms=headline.percentile(50),
             p99_ms=headline.percentile(99), peak_rss_mb=mem.peak_rss / 2**20, peak_gpu_mb=mem.peak_gpu_mb,
-            errors=sum(p.errors for p in points), gen_cpu_pct=gen_cpu, restart_s=restart_s,
+            errors=sum(p.errors for p in points), unsent=sum(p.unsent for p in points), gen_cpu_pct=gen_cpu,
+            restart_s=restart_s,
             points=[p.summary() for p in points],
         )
+
+
+    def calibrate(self, target: Target, measured: float) -> None:
+        """Offered open-loop rates from the default profile's capacity, measured twice more after a longer
+        warm-up: a cold worker or a passing burst of other load would otherwise set every rate too low."""
+        cfg = self.cfg
+        top = max(cfg.concurrencies)
+        _run_async(closed_loop(target, top, 2 * cfg.warmup_s))
+        runs = [measured] + [_run_async(closed_loop(target, top, cfg.point_s)).throughput for _ in range(2)]
+        self.baseline_rps = sorted(runs)[1]  # the median of three
+        self.open_rates = [round(max(f * self.baseline_rps, 1.0), 1) for f in cfg.open_fractions]
+        self.say(f"  default profile's capacity {self.baseline_rps:.1f} req/s (runs: "
+                 f"{', '.join(f'{r:.1f}' for r in runs)}); open-loop rates {self.open_rates} req/s")
 
 
 def _run_async(coro: object) -> LoadResult:
@@ -448,7 +461,8 @@ def run_tune(ref: str | TuneSource, cfg: TuneConfig | None = None, out_dir: Path
         say(f"  [{len(results):>2}] items {profile.max_batch_items:>3} tokens {profile.max_batch_tokens:>5} "
             f"wait {profile.max_wait_ms:>4g} ms in-flight {profile.batches_in_flight}: {r.throughput_rps:6.1f} req/s, "
             f"p99 {p99} ms @ {sweeper.open_rates[-1]:g} req/s, RSS {r.peak_rss_mb:.0f} MB"
-            + (f", {r.errors} errors" if r.errors else "") + f"  ({time.monotonic() - t0:.0f}s)")
+            + (f", {r.errors} errors" if r.errors else "")
+            + (f", {r.unsent} not sustained" if r.unsent else "") + f"  ({time.monotonic() - t0:.0f}s)")
         return r
 
     ok = False

@@ -137,6 +137,11 @@ def test_research_ship_promote_rollback(tmp_path: Path, minilm_path: Path) -> No
     assert spec.base.name == BASE and spec.profile == shipped.profile and spec.profile_source == "tuned"
     assert "report/results.json" in spec.files and "report/report.md" in spec.files
 
+    # Shipping the same winner again (a resumed run finalizing twice) registers nothing new.
+    again = ship_research_result(result, name=NAME, tune_quick=True, require_candidate=False)
+    assert again is not None and again.ref == (NAME, "1") and again.profile == shipped.profile
+    assert [i.version for i in store.versions(NAME)] == ["1"]
+
     # A second version (a random adapter, no metrics) to promote and roll back later.
     other = make_random_adapter(minilm_path, tmp_path / "other", seed=7)
     v2 = store.register_bundle(NAME, other, base_source=BASE, alias="candidate")

@@ -40,3 +40,12 @@ def test_plateau() -> None:
     assert not plateaued([70, 120, 122], 0.05, 2)
     assert plateaued([70, 120, 122, 110], 0.05, 2)
     assert not plateaued([70, 120, 122, 130], 0.05, 2)
+
+
+def test_score_prefers_slo_then_throughput_else_latency() -> None:
+    from lorafleet.tune.analysis import score
+
+    fast_slow, quick_low = _r(32, 140, 300), _r(16, 130, 200)
+    assert max([fast_slow, quick_low], key=lambda r: score(r, 100, None)) is quick_low  # none fits: lower p99
+    assert max([fast_slow, quick_low], key=lambda r: score(r, 1000, None)) is fast_slow  # both fit: throughput
+    assert score(_r(8, 500, 10, errors=1), 100, None) < score(fast_slow, 100, None)
