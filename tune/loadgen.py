@@ -199,7 +199,6 @@ async def open_loop(target: Target, rate: float, duration_s: float, seed: int = 
     schedule = poisson_schedule(rate, duration_s, seed)
     idle: list[Connection] = []
     opened = 0
-    tasks: set[asyncio.Task[None]] = set()
     cpu0 = time.process_time()
     start = time.perf_counter()
 
@@ -216,19 +215,7 @@ async def open_loop(target: Target, rate: float, duration_s: float, seed: int = 
         await _one(conn, target.body_for(i), intended, result)
         idle.append(conn)
 
-    for i, offset in enumerate(schedule):
-        intended = start + offset
-        delay = intended - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        task = asyncio.create_task(send(i, intended))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
-    if tasks:
-        _, pending = await asyncio.wait(set(tasks), timeout=drain_s)
-        for task in pending:
-            task.cancel()
-        result.unsent += len(pending)
+    result.unsent += await _run_schedule(schedule, start, send, drain_s)
     result.duration_s = max(time.perf_counter() - start, duration_s)
     result.gen_cpu_s = time.process_time() - cpu0
     for conn in idle:
@@ -246,7 +233,6 @@ async def open_loop_calls(call: Callable[[int], Awaitable[bool]], schedule: list
     `poisson_schedule` or any other arrival process (bursts); `level` is what the result reports.
     """
     result = LoadResult("open", level, duration_s)
-    tasks: set[asyncio.Task[None]] = set()
     cpu0 = time.process_time()
     start = time.perf_counter()
 
@@ -260,19 +246,28 @@ async def open_loop_calls(call: Callable[[int], Awaitable[bool]], schedule: list
         else:
             result.errors += 1
 
+    result.errors += await _run_schedule(schedule, start, one, drain_s)
+    result.duration_s = max(time.perf_counter() - start, duration_s)
+    result.gen_cpu_s = time.process_time() - cpu0
+    return result
+
+
+async def _run_schedule(schedule: list[float], start: float, launch: Callable[[int, float], Awaitable[None]],
+                        drain_s: float) -> int:
+    """Start `launch(i, intended)` at each intended time (never waiting on earlier ones, so there is
+    no coordinated omission); wait up to `drain_s` for the stragglers; return how many were cut off."""
+    tasks: set[asyncio.Task[None]] = set()
     for i, offset in enumerate(schedule):
         intended = start + offset
         delay = intended - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        task = asyncio.create_task(one(i, intended))
+        task = asyncio.create_task(launch(i, intended))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
-    if tasks:
-        _, pending = await asyncio.wait(set(tasks), timeout=drain_s)
-        for task in pending:
-            task.cancel()
-        result.errors += len(pending)
-    result.duration_s = max(time.perf_counter() - start, duration_s)
-    result.gen_cpu_s = time.process_time() - cpu0
-    return result
+    if not tasks:
+        return 0
+    _, pending = await asyncio.wait(set(tasks), timeout=drain_s)
+    for task in pending:
+        task.cancel()
+    return len(pending)
