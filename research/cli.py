@@ -20,6 +20,15 @@ def _fail(exc: Exception) -> None:
     raise typer.Exit(2)
 
 
+def _check_limits(trials: int | None, budget_minutes: float | None) -> None:
+    from lorafleet.config import ConfigError
+
+    if budget_minutes is not None and budget_minutes <= 0:
+        _fail(ConfigError(f"--budget-minutes must be positive, got {budget_minutes}"))
+    if trials is not None and trials < 1:
+        _fail(ConfigError(f"--trials must be at least 1, got {trials}"))
+
+
 def _finish(result: object, ship: bool = True, tune_quick: bool = False) -> None:
     from .report import print_summary
     from .runner import ResearchResult
@@ -58,10 +67,7 @@ def run_cmd(
     from .config import load_config
     from .runner import run_research
 
-    if budget_minutes is not None and budget_minutes <= 0:
-        _fail(ConfigError(f"--budget-minutes must be positive, got {budget_minutes}"))
-    if trials is not None and trials < 1:
-        _fail(ConfigError(f"--trials must be at least 1, got {trials}"))
+    _check_limits(trials, budget_minutes)
     sets = list(overrides)
     if study is not None:
         sets.append(f"research.study={study}")
@@ -100,8 +106,7 @@ def resume_cmd(
 
     from .runner import loaded_from_study, run_research
 
-    if budget_minutes is not None and budget_minutes <= 0:
-        _fail(ConfigError(f"--budget-minutes must be positive, got {budget_minutes}"))
+    _check_limits(trials, budget_minutes)
     try:
         loaded = loaded_from_study(name, storage)
         result = run_research(loaded, n_trials=trials, budget_minutes=budget_minutes, storage=storage, resume=True,
