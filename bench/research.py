@@ -91,11 +91,11 @@ def run_arm(name: str, pruner: dict[str, Any], trials: int, quick: bool) -> dict
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="One small law, fewer trials (a few minutes on CPU).")
-    parser.add_argument("--trials", type=int, default=None, help="Trial cap of both arms (default 6, quick 5).")
+    parser.add_argument("--trials", type=int, default=None, help="Trial cap of both arms (default 10, quick 5).")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "research.json")
     args = parser.parse_args()
     os.environ.setdefault("LORAFLEET_DATA_DIR", str(REPO.parent / "shared" / "data"))
-    trials = args.trials or (5 if args.quick else 6)
+    trials = args.trials or (5 if args.quick else 10)
     load0 = os.getloadavg()
     arms = [
         run_arm("no-pruner", {"kind": "none"}, trials, args.quick),
@@ -104,6 +104,8 @@ def main() -> None:
     off, on = arms
     ratio = on["trial_wall_s"] / off["trial_wall_s"] if off["trial_wall_s"] else None
     cpu_ratio = on["trial_cpu_s"] / off["trial_cpu_s"] if off["trial_cpu_s"] else None
+    # Epochs trained: a compute measure that the machine's load cannot move (every epoch costs about the same).
+    epoch_ratio = on["epochs_trained"] / off["epochs_trained"] if off["epochs_trained"] else None
     as_good = (on["best_dev_ndcg@10"] or 0) >= (off["best_dev_ndcg@10"] or 0) - 1e-9
     summary = {
         "when": time.strftime("%Y-%m-%d %H:%M:%S"), "quick": args.quick, "trial_cap": trials,
@@ -111,6 +113,7 @@ def main() -> None:
                     "loadavg_at_end": os.getloadavg()},
         "arms": arms,
         "pruned_vs_unpruned_wall": ratio, "pruned_vs_unpruned_cpu": cpu_ratio,
+        "pruned_vs_unpruned_epochs": epoch_ratio,
         "winner_at_least_as_good": as_good,
         "target_met": bool(as_good and ratio is not None and ratio <= 0.6),
     }
@@ -125,7 +128,8 @@ def main() -> None:
         print(f"{a['arm']:<15} {a['trials_complete']:>8} {a['trials_pruned']:>7} {a['epochs_trained']:>7} "
               f"{best:>17} {a['trial_wall_s']:>13.1f} {a['trial_cpu_s']:>12.1f}")
     if ratio is not None:
-        print(f"pruned/unpruned compute: wall {ratio:.2f}, cpu {cpu_ratio:.2f}; winner at least as good: {as_good}; "
+        print(f"pruned/unpruned compute: wall {ratio:.2f}, cpu {cpu_ratio:.2f}, epochs {epoch_ratio:.2f}; "
+              f"winner at least as good: {as_good}; "
               f"target (<= 0.60 and as good) met: {summary['target_met']}")
     print(f"written: {args.out}")
 

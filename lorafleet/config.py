@@ -34,7 +34,9 @@ class ServingProfile(StrictModel):
         2.0, ge=0, le=1000, description="How long an idle worker waits for more tasks to fill a batch."
     )
     batches_in_flight: int = Field(
-        2, ge=1, le=64, description="Batches pulled ahead of the one being computed (pipelining)."
+        1, ge=0, le=64,
+        description="Batches pulled ahead of the one being computed (pipelining); 0 pulls only when idle. "
+        "Each one commits tasks to this worker that an idle peer could have served, so keep it small.",
     )
 
 

@@ -143,7 +143,8 @@ class TrialObjective:
                 self.tracker.log_metrics(run_id, {f"{objective}_gain_vs_base": value - base_value}, step=epoch)
             trial.report(value, epoch)
             self.progress.epoch(trial.number, epoch, value)
-            if trial.should_prune():
+            # After the last epoch the trial is done: pruning it would discard a finished result and save nothing.
+            if epoch < train_cfg.epochs and trial.should_prune():
                 raise optuna.TrialPruned(f"pruned after epoch {epoch}: {objective}={value:.4f}")
             if time.monotonic() - started > limit:
                 raise TrialTimeout(f"time limit of {limit:.0f}s reached after epoch {epoch}")

@@ -25,7 +25,7 @@ from lorafleet.config import FleetConfig, ServingProfile
 from lorafleet.queue import consumer_config, ensure_consumer, ensure_streams
 from lorafleet.sidecar.acks import REPLY_RESULT, Settle, Situation, decide
 from lorafleet.sidecar.batcher import Batch, Pulled, form_batches
-from lorafleet.sidecar.pull import IDLE_POLL_S, pull_cycle
+from lorafleet.sidecar.pull import IDLE_POLL_S, ArrivalRate, fill, wait_first
 from lorafleet.wire import (
     HDR_DLQ_DELIVERIES,
     HDR_DLQ_REASON,
@@ -103,9 +103,11 @@ class NatsSide:
         self._held: dict[int, _Held] = {}
         self._stopping = False
         self.stop_requested = False
-        self._phase: dict[str, str] = {}
-        self._pull_tasks: dict[str, asyncio.Task[None]] = {}
+        self._phase = ""
+        self._pull_task: asyncio.Task[None] | None = None
+        self._waiters: dict[str, asyncio.Task[Any]] = {}  # base → its open fetch(1), kept across cycles
         self._psubs: dict[str, Any] = {}
+        self._arrivals = ArrivalRate()
         self.tasks_done = 0
         self.batches_done = 0
         self.on_fleet_state: Callable[[dict[str, Any]], None] | None = None  # set by the worker
@@ -144,9 +146,6 @@ class NatsSide:
         self.stop_requested = True  # seen by _main even if the loop does not exist yet
         self._post(self._begin_stop)
 
-    def batch_taken(self) -> None:
-        self._post(self._slots.release)
-
     def complete(self, batch: Batch, outcomes: list[Outcome], started: float) -> None:
         loop = self.loop
         if loop is None or loop.is_closed():
@@ -170,7 +169,8 @@ class NatsSide:
 
     async def _main(self) -> None:
         self.loop = asyncio.get_running_loop()
-        self._slots = asyncio.Semaphore(self.fleet.worker.profile.batches_in_flight)
+        # A slot is one batch queued or computing here; it frees when the main thread posts the outcome.
+        self._slots = asyncio.Semaphore(self.fleet.worker.profile.batches_in_flight + 1)
         self._models_ready = asyncio.Event()
         self._stop = asyncio.Event()
         if self.stop_requested:
@@ -204,8 +204,7 @@ class NatsSide:
             await self._publish_heartbeat(0.0)  # the launcher waits for this one to call the worker ready
             log.info("serving %s", ", ".join(self.bases))
             background = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._progress_loop())]
-            for base in self.bases:
-                self._pull_tasks[base] = asyncio.create_task(self._pull_loop(base))
+            self._pull_task = asyncio.create_task(self._pull_loop())
             await self._stop.wait()
             await self._drain()
         for t in background:
@@ -253,14 +252,14 @@ class NatsSide:
             return
         self._stopping = True
         log.info("stopping: no new pulls; finishing %d in-flight task(s)", len(self._held))
-        for base, task in self._pull_tasks.items():
-            if self._phase.get(base) == "slot":  # waiting for a free slot, holding nothing
-                task.cancel()
+        if self._pull_task is not None and self._phase == "slot":  # waiting for a free slot, holding nothing
+            self._pull_task.cancel()
         self._stop.set()
 
     async def _drain(self) -> None:
-        if self._pull_tasks:
-            await asyncio.wait(list(self._pull_tasks.values()), timeout=IDLE_POLL_S + 2.0)
+        if self._pull_task is not None:
+            await asyncio.wait([self._pull_task], timeout=IDLE_POLL_S + 2.0)
+        await self._give_back_waiting()
         deadline = time.monotonic() + self.fleet.worker.drain_timeout_s
         while self._held and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
@@ -283,36 +282,85 @@ class NatsSide:
         caps += [m.profile.max_batch_items for m in self.fleet.models if m.base == base and m.profile]
         return max(caps)
 
-    async def _pull_loop(self, base: str) -> None:
-        psub = self._psubs[base]
-        cap = self._pull_cap(base)
+    async def _pull_loop(self) -> None:
+        """One loop over every base's consumer: a free slot goes to whichever base has work first.
+
+        A loop per base would let a base with an empty queue sit on a slot while another base has
+        a backlog. Each base keeps one open fetch(1) (its waiter) across cycles; a task that lands
+        in one while the worker is busy waits, held and kept alive, for the next free slot.
+        """
+        caps = {base: self._pull_cap(base) for base in self.bases}
         max_wait_ms = self.fleet.worker.profile.max_wait_ms
         while not self._stopping:
-            self._phase[base] = "slot"
+            self._phase = "slot"
             await self._slots.acquire()
-            self._phase[base] = "fetch"
+            self._phase = "fetch"
             if self._stopping:
                 self._slots.release()
                 break
-            try:
-                msgs = await pull_cycle(psub, cap, max_wait_ms)
-            except Exception as exc:
+            firsts = await self._wait_for_work()
+            if not firsts:
                 self._slots.release()
-                log.warning("pull on %s failed: %s", base, exc)
-                await asyncio.sleep(0.5)
                 continue
-            pulled = await self._admit(base, msgs)
+            now = time.monotonic()
+            wait_ms = max_wait_ms if self._arrivals.worth_waiting(max_wait_ms, now) else 0.0
+            try:
+                filled = await asyncio.gather(*(fill(self._psubs[b], [m], caps[b], wait_ms) for b, m in firsts.items()))
+            except Exception as exc:  # the first messages are held: they still get batched below
+                log.warning("pull failed: %s", exc)
+                filled = [[m] for m in firsts.values()]
+            self._arrivals.observe(sum(len(msgs) for msgs in filled), now)
+            pulled = [p for base, msgs in zip(firsts, filled, strict=True) for p in await self._admit(base, msgs)]
             batches = form_batches(pulled, self.profile_for) if pulled else []
             if not batches:
                 self._slots.release()
                 continue
-            self._phase[base] = "hold"
+            self._phase = "hold"
             for i, batch in enumerate(batches):
                 if i:
                     await self._slots.acquire()
                 self._seq += 1
                 batch.seq = self._seq
                 self.ready.put_nowait(batch)
+
+    async def _wait_for_work(self) -> dict[str, Any]:
+        """The first message of each base whose waiter has one, once any waiter returns."""
+        for base in self.bases:
+            if base not in self._waiters:
+                self._waiters[base] = asyncio.create_task(self._wait_one(base))
+        await asyncio.wait(list(self._waiters.values()), return_when=asyncio.FIRST_COMPLETED)
+        firsts: dict[str, Any] = {}
+        for base, waiter in list(self._waiters.items()):
+            if waiter.done():
+                del self._waiters[base]
+                msg = waiter.result()
+                if msg is not None:
+                    firsts[base] = msg
+        return firsts
+
+    async def _wait_one(self, base: str) -> Any | None:
+        try:
+            msg = await wait_first(self._psubs[base])
+        except Exception as exc:  # reconnecting, or the consumer is being recreated
+            log.warning("pull on %s failed: %s", base, exc)
+            await asyncio.sleep(0.5)
+            return None
+        if msg is not None:
+            self._held[id(msg)] = _Held(msg)  # kept alive (in_progress) until a slot takes it
+        return msg
+
+    async def _give_back_waiting(self) -> None:
+        """At shutdown: tasks that landed in a waiter but never got a slot go back to the queue."""
+        waiters, self._waiters = self._waiters, {}
+        if not waiters:
+            return
+        await asyncio.wait(list(waiters.values()), timeout=IDLE_POLL_S + 2.0)
+        for base, waiter in waiters.items():
+            if not waiter.done():
+                waiter.cancel()
+            elif waiter.result() is not None:  # _wait_one does not raise
+                await self._settle(waiter.result(), base, Situation.SHUTDOWN,
+                                   reason="worker shut down before taking the task")
 
     async def _admit(self, base: str, msgs: list[Any]) -> list[Pulled]:
         """Decode and hold each message; malformed and already-expired tasks are settled right here."""
@@ -336,6 +384,7 @@ class NatsSide:
 
     # ---- settling -----------------------------------------------------------------------------
     async def _complete(self, batch: Batch, outcomes: list[Outcome], started: float) -> None:
+        self._slots.release()
         n = len(batch.items)
         dim = self.dims.get(batch.base, 0)
         ok = [(item, out) for item, out in zip(batch.items, outcomes, strict=True) if out.situation is Situation.OK]

@@ -2,8 +2,8 @@
 
 MEASURED.md: torch called from a non-main thread ran 15–30 % slower here, so the model runs where
 it gets the cores (the main thread) and the event loop only moves bytes. The loop pre-pulls up to
-`batches_in_flight` ready batches while the main thread computes (pipelining); outcomes go back
-with `call_soon_threadsafe`.
+`batches_in_flight` batches beyond the one the main thread computes (pipelining); outcomes go
+back with `call_soon_threadsafe`.
 """
 
 from __future__ import annotations
@@ -209,7 +209,6 @@ def _serve(fleet: FleetConfig, side: NatsSide, serve: list[str], lookup: FleetLo
             continue
         if batch is None:
             break
-        side.batch_taken()
         t0 = time.perf_counter()
         outcomes, started = computer.run(batch)
         busy_s += time.perf_counter() - t0

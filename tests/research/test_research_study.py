@@ -25,9 +25,9 @@ def test_study_logs_parent_and_nested_runs(research_yaml: Callable[..., Path], _
     study = optuna.load_study(study_name="study-a", storage=f"sqlite:///{_isolated_home / 'optuna' / 'optuna.db'}")
     trials = study.get_trials()
     assert len(trials) == 3
-    # The threshold pruner can only act at epoch 2: 2-epoch trials are pruned there, 1-epoch trials finish.
+    # The threshold pruner can only act at epoch 2: 3-epoch trials are pruned there, 1-epoch trials finish.
     for t in trials:
-        expected = optuna.trial.TrialState.PRUNED if t.params["epochs"] == 2 else optuna.trial.TrialState.COMPLETE
+        expected = optuna.trial.TrialState.PRUNED if t.params["epochs"] == 3 else optuna.trial.TrialState.COMPLETE
         assert t.state == expected, (t.number, t.params, t.state)
     states = {t.state for t in trials}
     assert states == {optuna.trial.TrialState.PRUNED, optuna.trial.TrialState.COMPLETE}  # seed 2 gives a mix
@@ -52,7 +52,7 @@ def test_study_logs_parent_and_nested_runs(research_yaml: Callable[..., Path], _
         assert run.data.params["learning_rate"] == str(t.params["learning_rate"])
         history = client.get_metric_history(run.info.run_id, "dev_ndcg_at_10")
         # One value per epoch, with the epoch as step (plus the final value for complete trials, same step).
-        assert {m.step for m in history} == set(range(1, t.params["epochs"] + 1))
+        assert {m.step for m in history} == set(range(1, (2 if state == "pruned" else t.params["epochs"]) + 1))
         assert "cost_wall_s" in run.data.metrics and run.data.metrics["cost_wall_s"] > 0
         assert not any(k.startswith("test_") for k in run.data.metrics), "test is read only for the winner"
         if state == "pruned":

@@ -1,4 +1,4 @@
-"""Adaptive pull: the decision function, and a pull cycle against a scripted fake subscription."""
+"""Adaptive pull: the decision function, the arrival rate, and a pull cycle against a scripted fake subscription."""
 
 from __future__ import annotations
 
@@ -8,7 +8,15 @@ from typing import Any
 import nats.errors
 import pytest
 
-from lorafleet.sidecar.pull import BACKLOG_TIMEOUT_S, IDLE_POLL_S, FetchStep, next_fetch, pull_cycle
+from lorafleet.sidecar.pull import (
+    BACKLOG_TIMEOUT_S,
+    IDLE_POLL_S,
+    ArrivalRate,
+    FetchStep,
+    fill,
+    next_fetch,
+    wait_first,
+)
 
 
 def test_backlog_fetches_what_is_pending_without_waiting() -> None:
@@ -46,6 +54,11 @@ class ScriptedSub:
         return answer[:n]
 
 
+async def pull_cycle(sub: Any, cap: int, max_wait_ms: float) -> list[Any]:
+    first = await wait_first(sub)
+    return [] if first is None else await fill(sub, [first], cap, max_wait_ms)
+
+
 async def test_idle_poll_returns_nothing() -> None:
     sub = ScriptedSub([None])
     assert await pull_cycle(sub, 32, 2.0) == []
@@ -70,3 +83,24 @@ async def test_idle_cycle_waits_once_then_follows_new_backlog() -> None:
 async def test_fill_wait_that_times_out_returns_what_it_has() -> None:
     sub = ScriptedSub([[msg(0)], None])
     assert len(await pull_cycle(sub, 32, 2.0)) == 1
+
+
+def test_arrival_rate_tracks_a_steady_stream_and_decays_when_it_stops() -> None:
+    rate = ArrivalRate(window_s=1.0)
+    for i in range(2000):  # 200 tasks/s for 10 s
+        rate.observe(1, i * 0.005)
+    assert rate.per_s(10.0) == pytest.approx(200, rel=0.05)
+    assert rate.per_s(13.0) < 200 * 0.06  # three windows later: e^-3 of it
+
+
+def test_fill_wait_only_when_more_work_is_likely() -> None:
+    rate = ArrivalRate(window_s=1.0)
+    assert not rate.worth_waiting(2.0, 0.0)  # nothing seen yet
+    for i in range(800):  # one client at a time: ~80 tasks/s for 10 s, 0.16 expected in 2 ms
+        rate.observe(1, i * 0.0125)
+    assert not rate.worth_waiting(2.0, 10.0)
+    assert rate.worth_waiting(8.0, 10.0)  # 0.64 expected in 8 ms
+    for i in range(5000):  # 500 tasks/s for 10 s: 1 expected in 2 ms
+        rate.observe(1, 10.0 + i * 0.002)
+    assert rate.worth_waiting(2.0, 20.0)
+    assert not rate.worth_waiting(0.0, 20.0)  # waiting disabled

@@ -259,3 +259,58 @@ async def sigterm_midway(url: str, tasks: list[Task], worker: WorkerProcess) -> 
     assert len(answered) + consumer.num_pending == len(tasks)
     assert 0 < len(answered) < len(tasks)  # it stopped pulling instead of finishing the whole queue
     await nc.close()
+
+
+def test_one_worker_serves_two_bases_and_drains_both(nats_server: NatsServer, start_worker: Any,
+                                                      tiny_model_dir: Path, tiny_adapters: dict[str, Path]) -> None:
+    """One pull loop over two consumers: both bases answered; a SIGTERM leaves nothing in limbo on either."""
+    fleet = fleet_dict(tiny_model_dir, tiny_adapters, profile={"max_batch_items": 4})
+    fleet["bases"].append({"name": "tiny2", "source": str(tiny_model_dir)})
+    worker = start_worker(fleet, nats_server.url, "twobases")
+    asyncio.run(two_bases(nats_server.url, worker))
+
+
+async def two_bases(url: str, worker: WorkerProcess) -> None:
+    import nats
+
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    results = await nc.subscribe(f"{inbox_prefix('itest-gw')}.>")
+
+    def task(base: str, i: int) -> Task:
+        t = make_task(f"{TEXTS[i % len(TEXTS)]} {i}", reply_to(), index=i)
+        t.base = base
+        return t
+
+    async def publish(tasks: list[Task]) -> None:
+        await asyncio.gather(*(js.publish(work_subject(t.base), t.to_wire(), headers={HDR_MSG_ID: t.id})
+                               for t in tasks))
+
+    # Work on one base only, then the other only, then both: each is served.
+    for bases in (["tiny2"], [BASE], [BASE, "tiny2"]):
+        tasks = [task(b, i) for b in bases for i in range(6)]
+        await publish(tasks)
+        got = {}
+        while len(got) < len(tasks):
+            r = await receive(nc, results, 10)
+            got[r.task_id] = r
+        assert set(got) == {t.id for t in tasks} and all(r.ok and r.dim for r in got.values())
+    # SIGTERM with both queues full: what was pulled is answered, the rest waits in the queue.
+    tasks = [task(b, i) for i in range(150) for b in (BASE, "tiny2")]
+    await publish(tasks)
+    first = await receive(nc, results, 10)
+    worker.terminate()
+    answered = {first.task_id}
+    while worker.proc.poll() is None or results.pending_msgs:
+        try:
+            answered.add((await receive(nc, results, 0.2)).task_id)
+        except TimeoutError:
+            continue
+    assert worker.proc.returncode == 0, worker.log()
+    info = {c.name: c for c in await js.consumers_info(QUEUE.stream)}
+    pending = 0
+    for base in (BASE, "tiny2"):
+        assert info[f"workers-{base}"].num_ack_pending == 0, worker.log()
+        pending += info[f"workers-{base}"].num_pending
+    assert len(answered) + pending == len(tasks)
+    await nc.close()
