@@ -1,6 +1,6 @@
 """Markdown tables from bench/results/*.json, for docs/benchmarks.md.
 
-    python -m lorafleet.bench.report [serve|routing|train ...]
+    python -m lorafleet.bench.report [serve|routing|train|research ...]
 """
 
 from __future__ import annotations
@@ -115,12 +115,37 @@ def train(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def research(r: dict[str, Any]) -> str:
+    from lorafleet.bench.research import best_vs_budget
+
+    m = r["machine"]
+    lines = [f"_{r['when']}, {m['cpus']} vCPU, load average {m['loadavg_at_start'][0]:.2f} at the start and "
+             f"{m['loadavg_at_end'][0]:.2f} at the end{', --quick' if r.get('quick') else ''}; trial cap "
+             f"{r['trial_cap']} per arm._", "",
+             "| arm | complete | pruned | epochs trained | best dev nDCG@10 | trial wall s | trial CPU s |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for a in r["arms"]:
+        lines.append(f"| {a['arm']} | {a['trials_complete']} | {a['trials_pruned']} | {a['epochs_trained']} | "
+                     f"{fmt(a['best_dev_ndcg@10'], 4)} | {a['trial_wall_s']:.1f} | {a['trial_cpu_s']:.1f} |")
+    lines += ["", f"Pruned ÷ unpruned compute: wall {fmt(r['pruned_vs_unpruned_wall'], 2)}, CPU "
+              f"{fmt(r['pruned_vs_unpruned_cpu'], 2)}, epochs {fmt(r.get('pruned_vs_unpruned_epochs'), 2)}; "
+              f"winner at least as good: {r['winner_at_least_as_good']}.", "",
+              "Best dev nDCG@10 against trial compute spent (minutes), trial by trial:", "",
+              "| trial | " + " | ".join(a["arm"] for a in r["arms"]) + " |",
+              "|---:|" + "---:|" * len(r["arms"])]
+    curves = [a.get("best_vs_budget") or best_vs_budget(a["trials"]) for a in r["arms"]]
+    for i in range(max(len(c) for c in curves)):
+        cells = [f"{c[i]['minutes']:.1f} min → {fmt(c[i]['best'], 4)}" if i < len(c) else "" for c in curves]
+        lines.append(f"| {i} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m lorafleet.bench.report", description=__doc__.split("\n\n")[0])
-    p.add_argument("names", nargs="*", default=["serve", "routing", "train"])
+    p.add_argument("names", nargs="*", default=["serve", "routing", "train", "research"])
     p.add_argument("--dir", type=Path, default=RESULTS_DIR)
     args = p.parse_args(argv)
-    render = {"serve": serve, "routing": routing, "train": train}
+    render = {"serve": serve, "routing": routing, "train": train, "research": research}
     for name in args.names:
         path = args.dir / f"{name}.json"
         if name not in render:

@@ -84,8 +84,20 @@ def run_arm(name: str, pruner: dict[str, Any], trials: int, quick: bool) -> dict
         "trial_cpu_s": round(sum(r["cpu_s"] or 0 for r in rows), 1),
         "run_wall_s": round(total_wall, 1), "run_cpu_s": round(total_cpu, 1),
         "base_dev_ndcg@10": result.baseline.get("base_dev_ndcg@10"),
+        "best_vs_budget": best_vs_budget(rows),
         "trials": rows,
     }
+
+
+def best_vs_budget(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Best complete dev objective after each trial, against the trial compute spent so far (minutes)."""
+    spent, best, out = 0.0, None, []
+    for r in sorted(rows, key=lambda r: r["number"]):
+        spent += r["wall_s"] or 0.0
+        if r["state"] == "complete" and r["value"] is not None:
+            best = r["value"] if best is None else max(best, r["value"])
+        out.append({"after_trial": r["number"], "minutes": round(spent / 60.0, 2), "best": best})
+    return out
 
 
 def main() -> None:

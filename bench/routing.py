@@ -466,9 +466,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--point-s", type=float, default=None, help="Seconds of arrivals per rate (default 3; quick 1).")
     p.add_argument("--slo-ms", type=float, default=500.0, help="p99 objective of the synthetic scenarios "
                    "(the MiniLM scenario uses twice this).")
-    p.add_argument("--batches-in-flight", type=int, default=1,
-                   help="Worker profile for every policy (default 1: a worker commits to no task before it is "
-                        "free; lorafleet's default profile pre-pulls 2).")
+    p.add_argument("--batches-in-flight", type=int, default=None,
+                   help="Worker profile for every policy (default: lorafleet's default, 1 batch pulled ahead "
+                        "while one computes; 0 pulls only when idle).")
     p.add_argument("--max-batch-items", type=int, default=None, help="Worker profile for every policy.")
     p.add_argument("--push-algorithm", choices=list(ALGORITHMS), default="p2c",
                    help="How the push router picks a worker (default p2c: the stronger choice on stale load).")

@@ -60,3 +60,18 @@ def test_synthetic_runtime_costs_a_plus_b_n() -> None:
     out = rt.encode(["a", "b"], None)
     assert out.shape == (2, rt.dim)
     assert model_of("mid--w2") == "mid" and model_of("mid") == "mid"
+
+
+def test_best_vs_budget_counts_only_complete_trials() -> None:
+    from lorafleet.bench.research import best_vs_budget
+
+    rows = [{"number": 1, "state": "pruned", "value": 0.9, "wall_s": 30.0},
+            {"number": 0, "state": "complete", "value": 0.5, "wall_s": 60.0},
+            {"number": 2, "state": "complete", "value": 0.6, "wall_s": 90.0},
+            {"number": 3, "state": "fail", "value": None, "wall_s": None}]
+    assert best_vs_budget(rows) == [
+        {"after_trial": 0, "minutes": 1.0, "best": 0.5},
+        {"after_trial": 1, "minutes": 1.5, "best": 0.5},  # a pruned trial's value is not a winner
+        {"after_trial": 2, "minutes": 3.0, "best": 0.6},
+        {"after_trial": 3, "minutes": 3.0, "best": 0.6},
+    ]
