@@ -71,6 +71,13 @@ def _num_delivered(msg: Any) -> int:
         return 1
 
 
+def _stream_seq(msg: Any) -> int:
+    try:
+        return int(msg.metadata.sequence.stream)
+    except Exception:
+        return 0
+
+
 def _reply_hint(payload: bytes) -> tuple[str, str, int] | None:
     """(reply, id, index) from a body that is not a valid Task, when they can still be read."""
     try:
@@ -106,6 +113,7 @@ class NatsSide:
         self._phase = ""
         self._pull_task: asyncio.Task[None] | None = None
         self._waiters: dict[str, asyncio.Task[Any]] = {}  # base → its open fetch(1), kept across cycles
+        self._heads: dict[str, Any] = {}  # base → a message its waiter brought that no batch has taken yet
         self._psubs: dict[str, Any] = {}
         self._arrivals = ArrivalRate()
         self.tasks_done = 0
@@ -283,11 +291,13 @@ class NatsSide:
         return max(caps)
 
     async def _pull_loop(self) -> None:
-        """One loop over every base's consumer: a free slot goes to whichever base has work first.
+        """One loop over every base's consumer: a free slot goes to the base whose waiting task is oldest.
 
         A loop per base would let a base with an empty queue sit on a slot while another base has
-        a backlog. Each base keeps one open fetch(1) (its waiter) across cycles; a task that lands
-        in one while the worker is busy waits, held and kept alive, for the next free slot.
+        a backlog. Each base keeps one open fetch(1) (its waiter) across cycles; a slot fills one
+        batch, from the base whose head task is oldest, so a worker never holds full batches of
+        several bases at once (tasks that an idle peer could serve). A head that lands while the
+        worker is busy waits, held and kept alive, for the next free slot.
         """
         caps = {base: self._pull_cap(base) for base in self.bases}
         max_wait_ms = self.fleet.worker.profile.max_wait_ms
@@ -298,45 +308,49 @@ class NatsSide:
             if self._stopping:
                 self._slots.release()
                 break
-            firsts = await self._wait_for_work()
-            if not firsts:
+            head = await self._next_head()
+            if head is None:
                 self._slots.release()
                 continue
+            base, first = head
             now = time.monotonic()
             wait_ms = max_wait_ms if self._arrivals.worth_waiting(max_wait_ms, now) else 0.0
             try:
-                filled = await asyncio.gather(*(fill(self._psubs[b], [m], caps[b], wait_ms) for b, m in firsts.items()))
-            except Exception as exc:  # the first messages are held: they still get batched below
-                log.warning("pull failed: %s", exc)
-                filled = [[m] for m in firsts.values()]
-            self._arrivals.observe(sum(len(msgs) for msgs in filled), now)
-            pulled = [p for base, msgs in zip(firsts, filled, strict=True) for p in await self._admit(base, msgs)]
+                msgs = await fill(self._psubs[base], [first], caps[base], wait_ms)
+            except Exception as exc:  # the first message is held: it still gets batched below
+                log.warning("pull on %s failed: %s", base, exc)
+                msgs = [first]
+            self._arrivals.observe(len(msgs), now)
+            pulled = await self._admit(base, msgs)
             batches = form_batches(pulled, self.profile_for) if pulled else []
             if not batches:
                 self._slots.release()
                 continue
             self._phase = "hold"
-            for i, batch in enumerate(batches):
+            for i, batch in enumerate(batches):  # several only when one base's tasks name several adapters
                 if i:
                     await self._slots.acquire()
                 self._seq += 1
                 batch.seq = self._seq
                 self.ready.put_nowait(batch)
 
-    async def _wait_for_work(self) -> dict[str, Any]:
-        """The first message of each base whose waiter has one, once any waiter returns."""
-        for base in self.bases:
-            if base not in self._waiters:
-                self._waiters[base] = asyncio.create_task(self._wait_one(base))
-        await asyncio.wait(list(self._waiters.values()), return_when=asyncio.FIRST_COMPLETED)
-        firsts: dict[str, Any] = {}
+    async def _next_head(self) -> tuple[str, Any] | None:
+        """(base, message) of the oldest task held as a head, waiting for one when none is held."""
+        if not self._heads:
+            for base in self.bases:
+                if base not in self._waiters:
+                    self._waiters[base] = asyncio.create_task(self._wait_one(base))
+            await asyncio.wait(list(self._waiters.values()), return_when=asyncio.FIRST_COMPLETED)
         for base, waiter in list(self._waiters.items()):
             if waiter.done():
                 del self._waiters[base]
-                msg = waiter.result()
+                msg = waiter.result()  # _wait_one does not raise
                 if msg is not None:
-                    firsts[base] = msg
-        return firsts
+                    self._heads[base] = msg
+        if not self._heads:
+            return None
+        base = min(self._heads, key=lambda b: _stream_seq(self._heads[b]))  # one stream: lower is older
+        return base, self._heads.pop(base)
 
     async def _wait_one(self, base: str) -> Any | None:
         try:
@@ -350,17 +364,19 @@ class NatsSide:
         return msg
 
     async def _give_back_waiting(self) -> None:
-        """At shutdown: tasks that landed in a waiter but never got a slot go back to the queue."""
+        """At shutdown: tasks that a waiter brought but no slot took go back to the queue at once."""
         waiters, self._waiters = self._waiters, {}
-        if not waiters:
-            return
-        await asyncio.wait(list(waiters.values()), timeout=IDLE_POLL_S + 2.0)
+        if waiters:
+            await asyncio.wait(list(waiters.values()), timeout=IDLE_POLL_S + 2.0)
+        left = list(self._heads.items())
+        self._heads = {}
         for base, waiter in waiters.items():
             if not waiter.done():
                 waiter.cancel()
-            elif waiter.result() is not None:  # _wait_one does not raise
-                await self._settle(waiter.result(), base, Situation.SHUTDOWN,
-                                   reason="worker shut down before taking the task")
+            elif waiter.result() is not None:
+                left.append((base, waiter.result()))
+        for base, msg in left:
+            await self._settle(msg, base, Situation.SHUTDOWN, reason="worker shut down before taking the task")
 
     async def _admit(self, base: str, msgs: list[Any]) -> list[Pulled]:
         """Decode and hold each message; malformed and already-expired tasks are settled right here."""
