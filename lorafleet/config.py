@@ -34,9 +34,10 @@ class ServingProfile(StrictModel):
         2.0, ge=0, le=1000, description="How long an idle worker waits for more tasks to fill a batch."
     )
     batches_in_flight: int = Field(
-        1, ge=0, le=64,
+        0, ge=0, le=64,
         description="Batches pulled ahead of the one being computed (pipelining); 0 pulls only when idle. "
-        "Each one commits tasks to this worker that an idle peer could have served, so keep it small.",
+        "Each one commits tasks to this worker that an idle peer could have served; it pays only where a "
+        "pull takes long next to a batch (a fast GPU), which `lorafleet tune` measures.",
     )
 
 

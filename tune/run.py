@@ -72,7 +72,7 @@ class TuneConfig(StrictModel):
                                    "arrivals (at most 3 × point_s), so its p99 rests on more than a handful.")
     items_grid: list[int] = Field(default_factory=lambda: [1, 4, 8, 16, 32, 64], min_length=1)
     wait_grid: list[float] = Field(default_factory=lambda: [0.0, 8.0])
-    inflight_grid: list[int] = Field(default_factory=lambda: [0, 2])
+    inflight_grid: list[int] = Field(default_factory=lambda: [0, 1, 2])
     tokens_per_item_grid: list[int] = Field(default_factory=lambda: [24, 96],
                                             description="max_batch_tokens = items × this.")
     plateau_gain: float = Field(0.03, ge=0, description="A larger batch must add this much throughput.")
