@@ -120,7 +120,8 @@ def main() -> None:
     epoch_ratio = on["epochs_trained"] / off["epochs_trained"] if off["epochs_trained"] else None
     as_good = (on["best_dev_ndcg@10"] or 0) >= (off["best_dev_ndcg@10"] or 0) - 1e-9
     summary = {
-        "when": time.strftime("%Y-%m-%d %H:%M:%S"), "quick": args.quick, "trial_cap": trials,
+        "benchmark": "research", "when": time.strftime("%Y-%m-%d %H:%M:%S"), "quick": args.quick,
+        "trial_cap": trials,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "loadavg_at_start": load0,
                     "loadavg_at_end": os.getloadavg()},
         "arms": arms,
@@ -143,7 +144,7 @@ def main() -> None:
         print(f"pruned/unpruned compute: wall {ratio:.2f}, cpu {cpu_ratio:.2f}, epochs {epoch_ratio:.2f}; "
               f"winner at least as good: {as_good}; "
               f"target (<= 0.60 and as good) met: {summary['target_met']}")
-    print(f"written: {args.out}")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
