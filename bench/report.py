@@ -67,7 +67,12 @@ def serve(r: dict[str, Any]) -> str:
 
 def routing(r: dict[str, Any]) -> str:
     st = r["setup"]
-    lines = [_machine(r), "", f"Profile for every policy: {st['profile']}; queue storage {st['queue_storage']}; "
+    budget = st.get("max_batch_ms")
+    budget_note = (f"batch time budget (`max_batch_ms`) {budget}{' ms' if isinstance(budget, (int, float)) else ''}"
+                   if budget else "no batch time budget (`max_batch_ms` off)")
+    profile = {k: v for k, v in st["profile"].items() if k != "max_batch_ms"}
+    lines = [_machine(r), "", f"Profile for every policy: {profile}; {budget_note}; "
+             f"queue storage {st['queue_storage']}; "
              f"{st['point_s']} s of arrivals per rate; push = {st['push_algorithm']}, stale view polled every "
              f"{st['push_stale_poll_ms']:.0f} ms.", "",
              "| scenario | SLO p99 | policy | max rate within SLO (req/s) | saturation (req/s) | "
@@ -84,9 +89,12 @@ def routing(r: dict[str, Any]) -> str:
     lines.append("")
     for name, sc in r["scenarios"].items():
         if "error" not in sc:
-            lines.append(f"- {name}: {sc['description']}; nominal capacity {sc['nominal_capacity_rps']} req/s")
+            b = sc.get("max_batch_ms")
+            lines.append(f"- {name}: {sc['description']}; nominal capacity {sc['nominal_capacity_rps']} req/s"
+                         + (f"; max_batch_ms {b:g}" if b else ""))
     for k, t in r["targets"].items():
-        lines.append(f"- target `{k}`: **{'met' if t['met'] else 'missed'}** — {json.dumps(t['ratios'])}")
+        verdict = {True: "met", False: "missed", None: "not measured"}[t["met"]]
+        lines.append(f"- target `{k}`: **{verdict}** — {json.dumps(t['ratios'])}")
     return "\n".join(lines)
 
 

@@ -33,6 +33,13 @@ class ServingProfile(StrictModel):
     max_wait_ms: float = Field(
         2.0, ge=0, le=1000, description="How long an idle worker waits for more tasks to fill a batch."
     )
+    max_batch_ms: float | None = Field(
+        None, gt=0, le=60_000,
+        description="Compute-time budget of one batch: each pull takes at most the tasks that this worker, at "
+        "its own measured speed, computes within it, so a slower worker takes fewer and leaves the rest in the "
+        "shared queue for faster peers. Set it from the latency objective (about 40 % of a p99 target leaves "
+        "room for the batch a task waits behind). None: only the item and token caps.",
+    )
     batches_in_flight: int = Field(
         0, ge=0, le=64,
         description="Batches pulled ahead of the one being computed (pipelining); 0 pulls only when idle. "

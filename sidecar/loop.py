@@ -25,7 +25,7 @@ from lorafleet.config import FleetConfig, ServingProfile
 from lorafleet.queue import consumer_config, ensure_consumer, ensure_streams
 from lorafleet.sidecar.acks import REPLY_RESULT, Settle, Situation, decide
 from lorafleet.sidecar.batcher import Batch, Pulled, form_batches
-from lorafleet.sidecar.pull import IDLE_POLL_S, ArrivalRate, fill, wait_first
+from lorafleet.sidecar.pull import IDLE_POLL_S, ArrivalRate, BatchTime, fill, wait_first
 from lorafleet.wire import (
     HDR_DLQ_DELIVERIES,
     HDR_DLQ_REASON,
@@ -116,6 +116,7 @@ class NatsSide:
         self._heads: dict[str, Any] = {}  # base → a message its waiter brought that no batch has taken yet
         self._psubs: dict[str, Any] = {}
         self._arrivals = ArrivalRate()
+        self._batch_times = {b: BatchTime() for b in bases}  # measured compute time, for max_batch_ms
         self.tasks_done = 0
         self.batches_done = 0
         self.on_fleet_state: Callable[[dict[str, Any]], None] | None = None  # set by the worker
@@ -154,12 +155,14 @@ class NatsSide:
         self.stop_requested = True  # seen by _main even if the loop does not exist yet
         self._post(self._begin_stop)
 
-    def complete(self, batch: Batch, outcomes: list[Outcome], started: float) -> None:
+    def complete(self, batch: Batch, outcomes: list[Outcome], started: float,
+                 encoded: tuple[int, float] | None = None) -> None:
+        """Post a computed batch back; `encoded` is (items, seconds) of its encode, when it ran whole."""
         loop = self.loop
         if loop is None or loop.is_closed():
             return
         try:
-            asyncio.run_coroutine_threadsafe(self._complete(batch, outcomes, started), loop)
+            asyncio.run_coroutine_threadsafe(self._complete(batch, outcomes, started, encoded), loop)
         except RuntimeError:
             log.warning("loop closed; results of a batch of %d dropped (the tasks were given back)", len(batch))
 
@@ -301,6 +304,7 @@ class NatsSide:
         """
         caps = {base: self._pull_cap(base) for base in self.bases}
         max_wait_ms = self.fleet.worker.profile.max_wait_ms
+        max_batch_ms = self.fleet.worker.profile.max_batch_ms
         while not self._stopping:
             self._phase = "slot"
             await self._slots.acquire()
@@ -315,8 +319,11 @@ class NatsSide:
             base, first = head
             now = time.monotonic()
             wait_ms = max_wait_ms if self._arrivals.worth_waiting(max_wait_ms, now) else 0.0
+            cap = caps[base]
+            if max_batch_ms is not None:
+                cap = self._batch_times[base].max_items(max_batch_ms / 1000.0, cap)
             try:
-                msgs = await fill(self._psubs[base], [first], caps[base], wait_ms)
+                msgs = await fill(self._psubs[base], [first], cap, wait_ms)
             except Exception as exc:  # the first message is held: it still gets batched below
                 log.warning("pull on %s failed: %s", base, exc)
                 msgs = [first]
@@ -399,8 +406,11 @@ class NatsSide:
         return out
 
     # ---- settling -----------------------------------------------------------------------------
-    async def _complete(self, batch: Batch, outcomes: list[Outcome], started: float) -> None:
+    async def _complete(self, batch: Batch, outcomes: list[Outcome], started: float,
+                        encoded: tuple[int, float] | None = None) -> None:
         self._slots.release()
+        if encoded is not None and batch.base in self._batch_times:
+            self._batch_times[batch.base].observe(*encoded)
         n = len(batch.items)
         dim = self.dims.get(batch.base, 0)
         ok = [(item, out) for item, out in zip(batch.items, outcomes, strict=True) if out.situation is Situation.OK]

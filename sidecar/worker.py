@@ -81,9 +81,11 @@ class Computer:
         self.caches = caches
         self.lookup = lookup
         self.adapters_changed = False
+        self.last_encode: tuple[int, float] | None = None  # (items, seconds) of the last batch encoded whole
 
     def run(self, batch: Batch) -> tuple[list[Outcome], float]:
         started = time.time()
+        self.last_encode = None
         outcomes: list[Outcome | None] = [None] * len(batch.items)
         live: list[int] = []
         for i, item in enumerate(batch.items):
@@ -99,7 +101,10 @@ class Computer:
                 live = []
         if live:
             runtime = self.runtimes[batch.base]
+            t0 = time.perf_counter()
             vectors = self._encode_split(runtime, [batch.items[i].task.text for i in live], batch.adapter)
+            if all(isinstance(v, bytes) for v in vectors):  # a bisected batch's time says nothing of its size
+                self.last_encode = (len(live), time.perf_counter() - t0)
             for i, v in zip(live, vectors, strict=True):
                 outcomes[i] = Outcome(Situation.OK, vector=v) if isinstance(v, bytes) else \
                     Outcome(Situation.RUNTIME_FAILED, message=f"{type(v).__name__}: {v}")
@@ -215,7 +220,7 @@ def _serve(fleet: FleetConfig, side: NatsSide, serve: list[str], lookup: FleetLo
         if computer.adapters_changed:
             computer.adapters_changed = False
             side.adapters_snapshot = computer.snapshot()
-        side.complete(batch, outcomes, started)
+        side.complete(batch, outcomes, started, computer.last_encode)
         batches += 1
         tasks += len(batch)
     side.thread.join(timeout=fleet.worker.drain_timeout_s + 10)

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from lorafleet.bench.routing import Router, burst_schedule, scenarios
+from lorafleet.bench.routing import TIE_TOLERANCE, Router, burst_schedule, scenario_budget_ms, scenarios, targets
 from lorafleet.bench.synth_worker import SyntheticRuntime, model_of
 
 
@@ -25,7 +25,8 @@ def test_nominal_capacity_follows_the_cost_model() -> None:
     one = 32 / ((30 + 4 * 32) / 1000)  # a worker running full batches of 32
     assert sc["equal"].nominal_capacity(32) == pytest.approx(3 * one)
     assert sc["slow"].nominal_capacity(32) == pytest.approx(2 * one + one / 3)
-    assert sc["minilm"].nominal_capacity(32) == sc["minilm"].capacity_hint
+    sc["minilm"].capacity_hint = 250.0  # measured on the machine by main(); MiniLM's cost is not modelled
+    assert sc["minilm"].nominal_capacity(32) == 250.0
 
 
 class _Workers:
@@ -75,3 +76,26 @@ def test_best_vs_budget_counts_only_complete_trials() -> None:
         {"after_trial": 2, "minutes": 3.0, "best": 0.6},
         {"after_trial": 3, "minutes": 3.0, "best": 0.6},
     ]
+
+
+def _scenario_result(within: float, saturation: float, heterogeneous: bool) -> dict[str, Any]:
+    return {"heterogeneous": heterogeneous,
+            "ratios": {"pull/push-stale": {"max_rate_within_slo": within, "saturation": saturation}}}
+
+
+def test_targets_tolerate_noise_but_not_a_loss() -> None:
+    tie = 1.0 - TIE_TOLERANCE / 2
+    t = targets({"slow": _scenario_result(2.0, 1.7, True), "equal": _scenario_result(1.0, tie, False)})
+    assert t["pull_ge_1.5x_stale_push_in_heterogeneous"]["met"] and t["pull_never_below_stale_push"]["met"]
+    t = targets({"models": _scenario_result(1.33, 1.01, True), "equal": _scenario_result(1.0, 0.95, False)})
+    assert not t["pull_ge_1.5x_stale_push_in_heterogeneous"]["met"]
+    assert not t["pull_never_below_stale_push"]["met"]  # 5 % below is a loss, not noise
+    assert targets({"equal": _scenario_result(1.0, 1.0, False)})["pull_ge_1.5x_stale_push_in_heterogeneous"]["met"] \
+        is None  # no heterogeneous scenario ran: not measured, rather than vacuously met
+
+
+def test_batch_budget_defaults_to_a_share_of_the_slo() -> None:
+    sc = scenarios(500.0)
+    assert scenario_budget_ms(sc["slow"], "0.4 × SLO") == 200.0
+    assert scenario_budget_ms(sc["minilm"], "0.4 × SLO") == 400.0  # its SLO is twice the synthetic one
+    assert scenario_budget_ms(sc["slow"], None) is None and scenario_budget_ms(sc["slow"], 150.0) == 150.0

@@ -65,6 +65,7 @@ def test_ok_vectors_are_little_endian_float32(tmp_path: Path) -> None:
     assert started <= time.time()
     assert [o.situation for o in outcomes] == [Situation.OK, Situation.OK]
     assert np.frombuffer(outcomes[1].vector or b"", dtype="<f4").tolist() == [4.0, 0.0, 1.0]
+    assert comp.last_encode is not None and comp.last_encode[0] == 2  # timed, for max_batch_ms
 
 
 def test_poison_input_is_isolated_by_bisection(tmp_path: Path) -> None:
@@ -72,6 +73,7 @@ def test_poison_input_is_isolated_by_bisection(tmp_path: Path) -> None:
     outcomes, _ = comp.run(batch(["a", "b", "POISON", "c", "d"]))
     assert [o.situation for o in outcomes] == [Situation.OK] * 2 + [Situation.RUNTIME_FAILED] + [Situation.OK] * 2
     assert "poisoned" in outcomes[2].message
+    assert comp.last_encode is None  # a bisected batch's time is not its size's cost
 
 
 def test_expired_tasks_are_not_computed(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from lorafleet.sidecar.pull import (
     BACKLOG_TIMEOUT_S,
     IDLE_POLL_S,
     ArrivalRate,
+    BatchTime,
     FetchStep,
     fill,
     next_fetch,
@@ -33,6 +34,49 @@ def test_idle_waits_once_for_max_wait_ms() -> None:
 def test_full_batch_stops() -> None:
     assert next_fetch(32, 32, 100, False, 2.0) is None
     assert next_fetch(1, 1, 100, False, 2.0) is None
+
+
+def test_batch_time_recovers_a_plus_b_n() -> None:
+    t = BatchTime()
+    assert t.max_items(0.2, 32) == 32  # nothing measured yet: the item cap
+    for n in [1, 4, 9, 16, 32, 7, 3]:
+        t.observe(n, 0.090 + 0.012 * n)  # a worker three times slower than 30 + 4·n ms
+    a, b = t.coefficients()  # type: ignore[misc]
+    assert a == pytest.approx(0.090) and b == pytest.approx(0.012)
+    assert t.max_items(0.2, 32) == 9  # 90 + 12·9 = 198 ms
+    assert t.max_items(1.0, 32) == 32  # the item cap still holds
+    assert t.max_items(0.05, 32) == 1  # a budget below the fixed cost still runs one at a time
+
+
+def test_batch_time_follows_a_worker_that_slows_down() -> None:
+    t = BatchTime()
+    for n in [2, 8, 16, 32] * 3:
+        t.observe(n, 0.030 + 0.004 * n)
+    assert t.max_items(0.2, 32) == 32
+    for n in [2, 8, 16, 32] * 6:
+        t.observe(n, 3 * (0.030 + 0.004 * n))
+    assert t.max_items(0.2, 32) in (8, 9)  # exactly 9 once the old observations have decayed
+
+
+def test_batch_time_of_one_size_errs_small_and_probes_upward() -> None:
+    t = BatchTime()
+    for _ in range(5):
+        t.observe(32, 0.474)  # only full batches seen: no spread to separate a from b
+    assert t.max_items(0.2, 32) == 13  # time charged per item: 32 × 200 / 474
+    one = BatchTime()
+    for _ in range(5):
+        one.observe(1, 0.102)  # one at a time at low load; the per-item estimate alone would keep it at 1
+    assert one.max_items(0.2, 32) == 2
+    for _ in range(5):
+        one.observe(2, 0.114)
+    assert one.max_items(0.2, 32) == 9  # two sizes seen: the fit separates a from b
+
+
+def test_batch_time_ignores_nonsense() -> None:
+    t = BatchTime()
+    t.observe(0, 1.0)
+    t.observe(3, float("nan"))
+    assert not t.observed and t.predict(4) is None
 
 
 def msg(pending: int) -> Any:

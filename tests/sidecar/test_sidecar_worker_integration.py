@@ -318,3 +318,19 @@ async def two_bases(url: str, worker: WorkerProcess, start_another: Any) -> None
             continue
     assert sorted(answered) == sorted(t.id for t in tasks)  # every task answered, none twice
     await nc.close()
+
+
+def test_batch_time_budget_caps_what_a_worker_pulls(nats_server: NatsServer, start_worker: Any,
+                                                    tiny_model_dir: Path, tiny_adapters: dict[str, Path]) -> None:
+    """With max_batch_ms below one task's measured time, a worker pulls one task at a time once it has timed a batch.
+
+    The tasks it does not pull stay in the shared queue, where a faster peer would take them.
+    """
+    worker = start_worker(fleet_dict(tiny_model_dir, tiny_adapters, profile={"max_batch_ms": 0.001}),
+                          nats_server.url, "budgeted")
+    tasks = [make_task(f"{TEXTS[i % len(TEXTS)]} {i}", reply_to(), index=i) for i in range(60)]
+    results = asyncio.run(roundtrip(nats_server.url, tasks, timeout=60.0))
+    assert len(results) == len(tasks) and all(r.ok and r.worker == worker.worker_id for r in results)
+    sizes = [r.batch_size for r in results]
+    # Only the batch pulled before any timing may exceed one task (at most the 32-item cap).
+    assert sum(1 for s in sizes if s > 1) <= 32 and sizes.count(1) >= len(tasks) - 32, sorted(sizes)
