@@ -18,8 +18,12 @@ the real all-MiniLM-L6-v2 instead. The driver in this process plays the gateway 
 publish with Nats-Msg-Id, reply on a core-NATS inbox) and drives open-loop arrivals with
 lorafleet.tune.loadgen (Poisson, or bursts), timing each task from its intended send time.
 
+Every policy's workers run the same profile, including the batch time budget (`max_batch_ms`,
+by default 0.4 × the scenario's SLO): a worker cuts each pull to what it computes within it.
+
 Metric per policy: the highest offered rate (on a ladder of fractions of the nominal capacity)
 whose p99 stays within the scenario's SLO, and the throughput at saturation (an overload point).
+A rate over the SLO is run once more on the same trace before the policy stops climbing.
 
     python -m lorafleet.bench.routing [--quick] [--scenarios equal,slow,models,bursts,minilm] [--point-s 3]
 """
@@ -62,6 +66,7 @@ POLICIES = ("pull", "push-stale", "push-fresh")
 ALGORITHMS = {"p2c": "power of two choices (P2C) on outstanding tasks per worker",
               "lor": "least outstanding tasks over all workers (ties at random)"}
 POLL_S = 0.05
+SLO_RETRIES = 1  # a rate over the SLO is measured once more before a policy stops climbing
 INBOX = "_INBOX.bench-routing"
 MINILM = "minilm"
 
@@ -77,7 +82,7 @@ class Scenario:
     bursts: bool = False
     heterogeneous: bool = False
     capacity_hint: float | None = None  # req/s, for models whose cost is not modelled (MiniLM)
-    fractions: list[float] = field(default_factory=lambda: [0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1])
+    fractions: list[float] = field(default_factory=lambda: [0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1])
     overload: float = 1.4  # the saturation point, as a fraction of nominal capacity
 
     def nominal_capacity(self, max_items: int) -> float:
@@ -104,7 +109,7 @@ def scenarios(slo_ms: float) -> dict[str, Scenario]:
                            "second, 0.5× otherwise)", {"m": base}, {"m": 1.0}, [1.0, 1.0, 1.0], slo_ms, bursts=True),
         MINILM: Scenario(MINILM, "2 workers running the real all-MiniLM-L6-v2 (1 torch thread each), statute "
                          "sentences", {MINILM: None}, {MINILM: 1.0}, [1.0, 1.0], 2 * slo_ms,
-                         fractions=[0.3, 0.5, 0.65, 0.8, 0.9, 1.0, 1.1]),
+                         fractions=[0.5, 0.65, 0.8, 0.9, 1.0, 1.1]),
     }
 
 
@@ -374,9 +379,20 @@ async def run_policy(driver: Driver, router: Router, sc: Scenario, rates: list[f
             if not is_overload and points and not points[-1]["meets_slo"]:
                 continue  # past the SLO: only the saturation point is left
             # The saturation point runs three times as long: its throughput is the headline, not its p99.
-            r = await run_point(driver, router, sc, rate, duration_s * (3 if is_overload else 1), seed + k, texts,
-                                f"{sc.name}-{router.policy}-{k}-{int(time.time() * 1000) % 10**8}")
-            s = point_summary(r, sc.slo_ms)
+            n_tries = 1 if is_overload else 1 + SLO_RETRIES
+            tries: list[dict[str, Any]] = []
+            for _ in range(n_tries):
+                r = await run_point(driver, router, sc, rate, duration_s * (3 if is_overload else 1), seed + k,
+                                    texts, f"{sc.name}-{router.policy}-{k}-{int(time.time() * 1000) % 10**8}")
+                tries.append(point_summary(r, sc.slo_ms))
+                if tries[-1]["meets_slo"] or is_overload:
+                    break
+                await driver.settle()
+            # A rate over the SLO is run again on the same trace: one hiccup of a shared machine (a p99 is
+            # the 30th-worst of 3000 tasks) should not end a policy's ladder. Same rule for every policy.
+            s = min(tries, key=lambda t: (not t["meets_slo"], t["p99_ms"] if t["p99_ms"] is not None else 1e18))
+            if len(tries) > 1:
+                s["tries_p99_ms"] = [t["p99_ms"] for t in tries]
             s["overload"] = is_overload
             purged = await driver.settle()
             if purged:
@@ -385,9 +401,11 @@ async def run_policy(driver: Driver, router: Router, sc: Scenario, rates: list[f
             if not is_overload and s["meets_slo"] and (slo_rate is None or slo_rate < rate) and \
                     all(p["meets_slo"] for p in points):
                 slo_rate = rate
+            again = f"  (tries: p99 {', '.join(fmt(v) for v in s['tries_p99_ms'])})" if "tries_p99_ms" in s else ""
             say(f"    {router.policy:<10} {rate:7.1f}/s{' (overload)' if is_overload else '':<11} → "
                 f"{s['throughput_rps']:7.1f}/s  p50 {fmt(s['p50_ms'])}  p99 {fmt(s['p99_ms'])} ms  "
-                f"errors {s['errors']}  {'ok' if s['meets_slo'] else 'over SLO'}  gen CPU {s['gen_cpu_pct']:.0f}%")
+                f"errors {s['errors']}  {'ok' if s['meets_slo'] else 'over SLO'}  gen CPU {s['gen_cpu_pct']:.0f}%"
+                f"{again}")
     finally:
         await router.stop()
     out: dict[str, Any] = {"max_rate_within_slo": slo_rate,
