@@ -38,7 +38,8 @@ class ServingProfile(StrictModel):
         description="Compute-time budget of one batch: each pull takes at most the tasks that this worker, at "
         "its own measured speed, computes within it, so a slower worker takes fewer and leaves the rest in the "
         "shared queue for faster peers. Set it from the latency objective (about 40 % of a p99 target leaves "
-        "room for the batch a task waits behind). None: only the item and token caps.",
+        "room for the batch a task waits behind). None: only the item and token caps. Worker-wide: read "
+        "from the fleet's worker profile, not from a bundle's.",
     )
     batches_in_flight: int = Field(
         0, ge=0, le=64,

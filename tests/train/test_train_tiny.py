@@ -43,16 +43,18 @@ def _cfg(model: Path, **kw) -> TrainConfig:
 
 
 def test_training_lowers_loss_and_adapter_reloads(statute_model: Path, tmp_path: Path) -> None:
-    cfg = _cfg(statute_model)
+    # lr 1e-2 for 8 epochs: measured drops of 25–33 %. At 2e-2 for 4 epochs the drop ranged from −0.5 %
+    # to 20 % between runs (the tokenizer trainer breaks ties differently in each process).
+    cfg = _cfg(statute_model, learning_rate=1e-2, epochs=8)
     dataset = build_dataset(cfg)
     calls: list[tuple[int, dict[str, float]]] = []
     result = train_adapter(cfg, dataset, tmp_path / "run", on_epoch=lambda e, m: calls.append((e, m)),
                            keep_model=True)
 
-    assert [e for e, _ in calls] == [1, 2, 3, 4]
+    assert [e for e, _ in calls] == list(range(1, 9))
     wanted = {f"dev_{k}" for k in METRICS} | {"dev_heading_ndcg@10", "dev_citation_ndcg@10"}
     assert all(set(m) == wanted for _, m in calls)
-    assert [row["epoch"] for row in result.epochs] == [1.0, 2.0, 3.0, 4.0]
+    assert [row["epoch"] for row in result.epochs] == [float(e) for e in range(1, 9)]
     assert result.metrics["dev_ndcg@10"] == calls[-1][1]["dev_ndcg@10"]
     assert 0 <= result.metrics["test_ndcg@10"] <= 1
     assert result.metrics["train_pairs"] == len(dataset.queries["train"])
@@ -64,8 +66,7 @@ def test_training_lowers_loss_and_adapter_reloads(statute_model: Path, tmp_path:
     before = pairs_loss(load_base_model(cfg.base_model, "cpu", 64), pairs, 16)
     trained = result.extras["model"]
     after = pairs_loss(trained, pairs, 16)
-    # A clear drop, with room for run-to-run variation of a 4-epoch run on a random model (seen: 6–15 %).
-    assert after < before * 0.95, (before, after)
+    assert after < before * 0.9, (before, after)  # a clear drop, with room for run-to-run variation
 
     adapter = result.adapter_dir
     assert sorted(p.name for p in adapter.iterdir()) >= ["adapter_config.json", "adapter_model.safetensors"]
