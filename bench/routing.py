@@ -389,7 +389,7 @@ async def run_policy(driver: Driver, router: Router, sc: Scenario, rates: list[f
                     break
                 await driver.settle()
             # A rate over the SLO is run again on the same trace: one hiccup of a shared machine (a p99 is
-            # the 30th-worst of 3000 tasks) should not end a policy's ladder. Same rule for every policy.
+            # the slowest 1 % of a few thousand tasks) should not end a policy's ladder. Same rule for every policy.
             s = min(tries, key=lambda t: (not t["meets_slo"], t["p99_ms"] if t["p99_ms"] is not None else 1e18))
             if len(tries) > 1:
                 s["tries_p99_ms"] = [t["p99_ms"] for t in tries]
