@@ -44,7 +44,7 @@ def _cfg(model: Path, **kw) -> TrainConfig:
 
 def test_training_lowers_loss_and_adapter_reloads(statute_model: Path, tmp_path: Path) -> None:
     # lr 1e-2 for 8 epochs: measured drops of 25–33 %. At 2e-2 for 4 epochs the drop ranged from −0.5 %
-    # to 20 % between runs (the tokenizer trainer breaks ties differently in each process).
+    # to 20 % between runs (the tiny model differs per process, likely tokenizer-trainer tie-breaking).
     cfg = _cfg(statute_model, learning_rate=1e-2, epochs=8)
     dataset = build_dataset(cfg)
     calls: list[tuple[int, dict[str, float]]] = []
