@@ -97,10 +97,6 @@ class BatchTime:
         self._snn = k * self._snn + n * n
         self._snd = k * self._snd + n * seconds
 
-    @property
-    def observed(self) -> bool:
-        return self._s0 > 0.0
-
     def coefficients(self) -> tuple[float, float] | None:
         """(a, b) in seconds, or None before the first batch.
 
@@ -122,10 +118,6 @@ class BatchTime:
             if a >= 0.0 and b > 0.0:
                 return a, b, True
         return 0.0, md / mn, False
-
-    def predict(self, n: int) -> float | None:
-        ab = self.coefficients()
-        return None if ab is None else ab[0] + ab[1] * n
 
     def max_items(self, budget_s: float, cap: int) -> int:
         """The most items (1..cap) whose predicted time fits `budget_s`; `cap` before any observation.
