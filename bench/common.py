@@ -20,7 +20,7 @@ RESULTS_DIR = REPO / "bench" / "results"
 
 def german_sentences(n: int, seed: int = 0, min_words: int = 5, max_words: int = 20) -> list[str]:
     """Statute sentences of `min_words`–`max_words` words (LORAFLEET_DATA_DIR), ~32 MiniLM tokens each."""
-    from lorafleet.tune.run import load_texts
+    from lorafleet.tune.probe import load_texts
 
     pool = [t for t in load_texts(n=max(4 * n, 400), seed=seed) if min_words <= len(t.split()) <= max_words]
     if not pool:

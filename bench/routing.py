@@ -12,8 +12,8 @@
 - push-fresh: the same P2C router on perfectly fresh load (its own exact count of tasks sent and
   not yet answered, per worker): the upper bound for push.
 
-Workers run `bench/synth_worker.py`: the real sidecar with a runtime whose batch of n tasks costs
-a + b·n ms (sleeping), so dispatch is measured and not the two cores; the `minilm` scenario runs
+Workers run the real sidecar with the `synthetic` runtime plugin (bench/synth_worker.py), whose
+batch of n tasks costs a + b·n ms (sleeping), so dispatch is measured and not the two cores; the `minilm` scenario runs
 the real all-MiniLM-L6-v2 instead. The driver in this process plays the gateway (JetStream
 publish with Nats-Msg-Id, reply on a core-NATS inbox) and drives open-loop arrivals with
 lorafleet.tune.loadgen (Poisson, or bursts), timing each task from its intended send time.
@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import random
 import sys
 import tempfile
@@ -45,6 +44,7 @@ from typing import Any
 import nats
 import yaml
 
+from lorafleet import heartbeats
 from lorafleet.bench.common import (
     RESULTS_DIR,
     exit_on_sigterm,
@@ -58,9 +58,10 @@ from lorafleet.bench.common import (
     stop_all,
     write_json,
 )
+from lorafleet.bench.synth_worker import SLOWDOWN_ENV, model_of
 from lorafleet.config import BaseModelSpec, FleetConfig, QueueConfig, ServingProfile, WorkerConfig
 from lorafleet.tune.loadgen import LoadResult, open_loop_calls, poisson_schedule
-from lorafleet.wire import HDR_MSG_ID, HEARTBEAT_PREFIX, Heartbeat, Result, Task, consumer_name, work_subject
+from lorafleet.wire import HDR_MSG_ID, Heartbeat, Result, Task, consumer_name, work_subject
 
 POLICIES = ("pull", "push-stale", "push-fresh")
 ALGORITHMS = {"p2c": "power of two choices (P2C) on outstanding tasks per worker",
@@ -175,27 +176,34 @@ class Workers:
         self.stream = queue.stream
         self.private = policy != "pull"
         bases = [b for w in self.names for b in self.bases_of(w)] if self.private else list(sc.models)
-        specs = [BaseModelSpec(name=b, source="all-MiniLM-L6-v2") for b in bases]
+        specs = [self.spec(b) for b in bases]
         fleet = FleetConfig(nats_url=nats_url, bases=specs, queue=queue,
                             worker=WorkerConfig(profile=profile, device="cpu", heartbeat_s=0.5))
         self.fleet_file = work / f"fleet-{sc.name}-{'push' if self.private else 'pull'}.yaml"
         self.fleet_file.write_text(yaml.safe_dump(fleet.model_dump(mode="json"), sort_keys=False))
         self.procs: dict[str, Any] = {}
 
+    def spec(self, base: str) -> BaseModelSpec:
+        """Synthetic models run the `synthetic` runtime plugin with their cost; the others the real MiniLM."""
+        cost = self.sc.models[model_of(base)]
+        if cost is None:
+            return BaseModelSpec(name=base, source="all-MiniLM-L6-v2")
+        return BaseModelSpec(name=base, runtime="synthetic", options={"a_ms": cost[0], "b_ms": cost[1]})
+
     def bases_of(self, worker: str) -> list[str]:
         return [f"{m}--{worker}" if self.private else m for m in self.sc.models]
 
     def start(self) -> None:
-        costs = json.dumps({m: list(c) for m, c in self.sc.models.items() if c is not None})
-        env = None
+        env: dict[str, str] = {}
         if any(c is None for c in self.sc.models.values()):
             env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # two MiniLM workers share two cores
         for w, slow in zip(self.names, self.sc.slowdowns, strict=True):
-            argv = [sys.executable, "-m", "lorafleet.bench.synth_worker", "--fleet", str(self.fleet_file),
-                    "--nats-url", self.nats_url, "--worker-id", w, "--costs", costs, "--slowdown", str(slow)]
+            argv = [sys.executable, "-m", "lorafleet.sidecar", "--fleet", str(self.fleet_file),
+                    "--nats-url", self.nats_url, "--worker-id", w, "--log-level", "WARNING"]
             for b in self.bases_of(w):
                 argv += ["--base", b]
-            self.procs[w] = spawn(argv, self.work / f"{self.sc.name}-{self.policy}-{w}.log", env)
+            self.procs[w] = spawn(argv, self.work / f"{self.sc.name}-{self.policy}-{w}.log",
+                                  {**env, SLOWDOWN_ENV: str(slow)})
 
     def stop(self) -> None:
         # All at once, briefly: the queue is already settled, a graceful drain has nothing left to do.
@@ -223,7 +231,7 @@ class Driver:
 
         await ensure_streams(self.js, self.queue)
         await self.nc.subscribe(INBOX + ".>", cb=self._on_result)
-        await self.nc.subscribe(HEARTBEAT_PREFIX + ".>", cb=self._on_heartbeat)
+        await heartbeats.subscribe(self.nc, self._on_heartbeat)
 
     async def _on_result(self, msg: Any) -> None:
         if msg.reply:  # the worker acks a task only after this receipt, as the gateway gives it
@@ -236,11 +244,7 @@ class Driver:
         if fut is not None and not fut.done():
             fut.set_result(r)
 
-    async def _on_heartbeat(self, msg: Any) -> None:
-        try:
-            hb = Heartbeat.from_wire(msg.data)
-        except Exception:
-            return
+    def _on_heartbeat(self, hb: Heartbeat) -> None:
         self.heartbeats[hb.worker] = time.monotonic()
 
     async def wait_workers(self, workers: Workers, timeout: float) -> None:

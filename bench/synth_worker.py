@@ -1,42 +1,49 @@
-"""The real lorafleet worker (sidecar) with a synthetic runtime, for bench/routing.py.
+"""A synthetic runtime for bench/routing.py: the real lorafleet worker, with a model whose cost is modelled.
 
 A batch of n tasks costs `slowdown × (a + b·n)` ms, spent sleeping, so the dispatch policy is what
 is measured and not this machine's two cores. Everything else is the real sidecar: pull loop,
-batcher, ack table, heartbeats. The runtime is swapped in by replacing the worker module's
-`create_runtime` factory before `run_worker` starts (the sidecar has no runtime plugin setting
-yet); bases whose model is not in `--costs` keep the real runtime (MiniLM).
+batcher, ack table, heartbeats. It is an ordinary runtime plugin (entry point `synthetic` in the
+group `lorafleet.runtimes`): a fleet names it per base,
 
+    bases: [{name: m, runtime: synthetic, options: {a_ms: 30, b_ms: 4}}]
+
+and `LORAFLEET_SYNTH_SLOWDOWN` (default 1) makes one worker process slower than its peers.
 A base named `MODEL--WORKER` is MODEL's queue private to one worker: the push router in
 bench/routing.py sends a worker its tasks that way, through the very same worker code.
-
-    python -m lorafleet.bench.synth_worker --fleet F --nats-url U --worker-id W --costs '{"m": [30, 4]}'
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import logging
 import os
-import sys
 import time
+from typing import ClassVar
 
 import numpy as np
 
-from lorafleet.config import BaseModelSpec, WorkerConfig
+from lorafleet.config import BaseModelSpec, ConfigError
+from lorafleet.sidecar.runtime import Runtime
+from lorafleet.wire import EMBED
 
 SYNTH_DIM = 8
+SLOWDOWN_ENV = "LORAFLEET_SYNTH_SLOWDOWN"
 
 
 def model_of(base: str) -> str:
     return base.split("--", 1)[0]
 
 
-class SyntheticRuntime:
-    """Implements lorafleet.sidecar.runtime.Runtime; encode sleeps for the batch's modelled cost."""
+class SyntheticRuntime(Runtime):
+    """Embeds by sleeping for the batch's modelled cost; options `a_ms` and `b_ms` (per batch, per item)."""
 
-    def __init__(self, a_ms: float, b_ms: float, slowdown: float = 1.0) -> None:
-        self.a_ms, self.b_ms, self.slowdown = a_ms, b_ms, slowdown
+    capabilities: ClassVar[frozenset[str]] = frozenset({EMBED})
+
+    def __init__(self, spec: BaseModelSpec, device: str = "cpu") -> None:
+        try:
+            self.a_ms, self.b_ms = float(spec.options["a_ms"]), float(spec.options["b_ms"])
+            self.slowdown = float(os.environ.get(SLOWDOWN_ENV, "1"))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"base {spec.name!r}: the synthetic runtime needs numeric options a_ms and b_ms "
+                              f"(and a numeric {SLOWDOWN_ENV}): {exc}") from exc
         self._adapters: list[str] = []
 
     @property
@@ -61,41 +68,3 @@ class SyntheticRuntime:
 
     def loaded_adapters(self) -> list[str]:
         return list(self._adapters)
-
-    def close(self) -> None:
-        pass
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m lorafleet.bench.synth_worker",
-                                description="A lorafleet worker whose runtime sleeps a + b·n ms per batch "
-                                            "(benchmarks).")
-    p.add_argument("--fleet", required=True, help="FleetConfig YAML.")
-    p.add_argument("--nats-url", required=True)
-    p.add_argument("--worker-id", required=True)
-    p.add_argument("--base", action="append", default=None, help="Serve only this base (repeatable).")
-    p.add_argument("--costs", default="{}", help='JSON {"MODEL": [a_ms, b_ms]}; other models use the real runtime.')
-    p.add_argument("--slowdown", type=float, default=1.0, help="Multiply every batch's cost (a slower worker).")
-    args = p.parse_args(argv)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
-                        format=f"%(asctime)s %(levelname)s worker={args.worker_id} %(name)s: %(message)s")
-    from lorafleet.config import FleetConfig, load_yaml_model
-    from lorafleet.sidecar import worker as sidecar_worker
-
-    costs: dict[str, list[float]] = json.loads(args.costs)
-    real_factory = sidecar_worker.create_runtime
-
-    def factory(spec: BaseModelSpec, cfg: WorkerConfig):  # type: ignore[no-untyped-def]
-        cost = costs.get(model_of(spec.name))
-        if cost is None:
-            return real_factory(spec, cfg)
-        return SyntheticRuntime(float(cost[0]), float(cost[1]), args.slowdown)
-
-    sidecar_worker.create_runtime = factory  # the hook: see the module docstring
-    fleet = load_yaml_model(FleetConfig, args.fleet)
-    return sidecar_worker.run_worker(fleet, nats_url=args.nats_url, worker_id=args.worker_id, bases=args.base)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

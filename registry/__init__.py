@@ -1,58 +1,48 @@
 """lorafleet.registry: bundles in MLflow (register, alias, verified download) and live promotion.
 
-Public API (imported lazily so `import lorafleet.registry` stays cheap):
-    register_bundle(name, adapter_dir, base_source=…, …) -> BundleRef(name, version)
-    set_alias(name, alias, version), alias_version(name, alias), get_version(name, ref), versions(name)
-    download_bundle(name, version|alias, dest) -> Path     (every sha256 checked)
-    promote(name, version=None, force=False, …) / rollback(name, …) -> Outcome
-    ship_research_result(research_result, …) -> Shipped   (tune + register as 'candidate')
+A bundle is one MLflow model version: the peft adapter, bundle.yaml (base reference, task kind,
+bundle kind, serving profile, metrics, sha256 of every file), the evaluation report and the
+dataset digest. Promotion runs the task kind's quality gate, moves the alias `champion` and
+publishes the desired fleet state (lorafleet.fleet_state), which gateways and workers apply live.
+
+Public API (loaded on first use, so `import lorafleet.registry` stays cheap):
+    register_bundle(name, adapter_dir, base_source=…, task=…, …) -> BundleRef(name, version)
+    versions(name), get_version(name, ref), alias_version(name, alias), set_alias(name, alias, version)
+    list_models(), download_bundle(name, ref, dest) -> Path, fetch_adapter(name, ref), bundle_spec(name, ref)
+    promote.promote(name, version=None, force=False, …) -> Outcome, rollback(name, …) -> Outcome, check_gate(…)
+    (`lorafleet.registry.promote` is the module; `lorafleet.pipeline.promote` the same verb one layer up)
+    build_bundle(out_dir, …), verify_bundle(dir), read_spec(dir)       (the bundle folder, no MLflow)
+    resolve_models_uri(uri) -> Path     (the `models:` adapter source, registered as a plugin)
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-_EXPORTS = {
-    "BundleError": "lorafleet.registry.bundle",
-    "BundleIntegrityError": "lorafleet.registry.bundle",
-    "BundleSpec": "lorafleet.registry.bundle",
-    "build_bundle": "lorafleet.registry.bundle",
-    "verify_bundle": "lorafleet.registry.bundle",
-    "BundleRef": "lorafleet.registry.store",
-    "RegistryError": "lorafleet.registry.store",
-    "StoreUnreachable": "lorafleet.registry.store",
-    "VersionInfo": "lorafleet.registry.store",
-    "register_bundle": "lorafleet.registry.store",
-    "set_alias": "lorafleet.registry.store",
-    "alias_version": "lorafleet.registry.store",
-    "get_version": "lorafleet.registry.store",
-    "versions": "lorafleet.registry.store",
-    "list_models": "lorafleet.registry.store",
-    "download_bundle": "lorafleet.registry.store",
-    "fetch_adapter": "lorafleet.registry.store",
-    "CANDIDATE": "lorafleet.registry.store",
-    "CHAMPION": "lorafleet.registry.store",
-    "FleetEntry": "lorafleet.registry.fleet_state",
-    "FleetWatcher": "lorafleet.registry.fleet_state",
-    "FleetStateError": "lorafleet.registry.fleet_state",
-    "ensure_fleet_bucket": "lorafleet.registry.fleet_state",
-    "served_models": "lorafleet.registry.fleet_state",
-    "PromotionError": "lorafleet.registry.promote",
-    "promote": "lorafleet.registry.promote",
-    "rollback": "lorafleet.registry.promote",
-    "check_gate": "lorafleet.registry.promote",
-    "ship_research_result": "lorafleet.registry.ship",
-    "install_sidecar_scheme": "lorafleet.registry.uri",
-    "resolve_models_uri": "lorafleet.registry.uri",
-}
+_STORE = {"BundleRef", "RegistryError", "StoreUnreachable", "VersionInfo", "register_bundle", "set_alias",
+          "alias_version", "get_version", "versions", "list_models", "download_bundle", "fetch_adapter",
+          "bundle_spec", "CANDIDATE", "CHAMPION"}
+_BUNDLE = {"BundleError", "BundleIntegrityError", "BundleSpec", "build_bundle", "verify_bundle", "read_spec"}
+_PROMOTE = {"PromotionError", "rollback", "check_gate"}
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted(_STORE | _BUNDLE | _PROMOTE | {"resolve_models_uri"})
 
 
 def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(name)
-    import importlib
+    if name in _STORE:
+        from lorafleet.registry import store
 
-    return getattr(importlib.import_module(module), name)
+        return getattr(store, name)
+    if name in _BUNDLE:
+        from lorafleet.registry import bundle
+
+        return getattr(bundle, name)
+    if name in _PROMOTE:
+        import lorafleet.registry.promote as promotion
+
+        return getattr(promotion, name)
+    if name == "resolve_models_uri":
+        from lorafleet.registry.uri import resolve_models_uri
+
+        return resolve_models_uri
+    raise AttributeError(name)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import shutil
 import time
 from pathlib import Path
@@ -24,8 +23,9 @@ from typing import Any
 import yaml
 from pydantic import Field
 
-from lorafleet.config import PACKAGED_MINILM, ServingProfile, StrictModel
-from lorafleet.models import resolve_model_source
+from lorafleet.config import ServingProfile, StrictModel
+from lorafleet.models import base_name_for, resolve_model_source
+from lorafleet.refs import NAME_RE
 
 BUNDLE_FILE = "bundle.yaml"
 ADAPTER_DIR = "adapter"
@@ -33,8 +33,9 @@ DIGEST_FILE = "dataset_digest.txt"
 REPORT_DIR = "report"
 BUNDLE_FORMAT = 1
 REQUIRED_ADAPTER_FILES = ("adapter_config.json",)
-# A bundle name becomes a served name and a NATS KV key, so it takes the narrower of both alphabets.
-KEY_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+# A bundle name becomes a served name and a NATS KV key (lorafleet.refs).
+KEY_NAME_RE = NAME_RE
+DEFAULT_TASK = "retrieval"  # bundles from before task kinds were recorded
 
 
 class BundleError(ValueError):
@@ -59,6 +60,8 @@ class BundleSpec(StrictModel):
     format: int = BUNDLE_FORMAT
     name: str
     base: BaseRef
+    task: str = Field(DEFAULT_TASK, description="The task kind that trained it (lorafleet.tasks).")
+    kind: str = Field("sentence-transformers", description="Bundle kind: sentence-transformers, causal-lm, …")
     runtime: str = "sentence-transformers"
     pooling: str | None = Field(None, description="Pooling mode of the base model (mean, cls, …).")
     normalize: bool | None = None
@@ -68,6 +71,8 @@ class BundleSpec(StrictModel):
     metrics: dict[str, float] = Field(default_factory=dict)
     dataset_digest: str | None = None
     created: float = Field(default_factory=time.time)
+    details: dict[str, Any] = Field(default_factory=dict, description="What the task kind records beside the "
+                                    "adapter (chat template, system prompt, generation defaults, GGUF digest, …).")
     files: dict[str, str] = Field(default_factory=dict, description="Relative path → sha256, every file but this.")
 
 
@@ -85,15 +90,6 @@ def _listed_files(root: Path) -> dict[str, str]:
         for p in sorted(root.rglob("*"))
         if p.is_file() and p.relative_to(root).as_posix() != BUNDLE_FILE
     }
-
-
-def base_name_for(source: str) -> str:
-    """The served base name for a model source: the packaged MiniLM by its name, else the last path part."""
-    resolved = resolve_model_source(source)
-    if resolved == resolve_model_source(PACKAGED_MINILM):
-        return PACKAGED_MINILM
-    name = source.rstrip("/").split("/")[-1]
-    return name or source
 
 
 def describe_base(source: str) -> dict[str, Any]:
@@ -137,19 +133,12 @@ def check_adapter_dir(adapter_dir: Path) -> None:
             raise BundleError(f"{adapter_dir} has no {name}: not a peft adapter directory")
 
 
-def adapter_base_source(adapter_dir: Path) -> str | None:
-    """The base model the adapter recorded at training time (may be an absolute path elsewhere)."""
-    try:
-        return json.loads((adapter_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
-    except (OSError, ValueError):
-        return None
-
-
 def build_bundle(out_dir: Path, *, name: str, adapter_dir: Path, base_source: str, base_name: str | None = None,
                  base_revision: str | None = None, profile: ServingProfile | None = None,
                  profile_source: str = "default", metrics: dict[str, float] | None = None,
                  dataset_digest: str | None = None, report_paths: list[Path] | None = None,
-                 max_seq_length: int | None = None) -> BundleSpec:
+                 max_seq_length: int | None = None, task: str = DEFAULT_TASK, kind: str = "sentence-transformers",
+                 runtime: str = "sentence-transformers", details: dict[str, Any] | None = None) -> BundleSpec:
     """Write a complete bundle folder at `out_dir` (must not exist or be empty) and return its spec."""
     adapter_dir = Path(adapter_dir)
     check_adapter_dir(adapter_dir)
@@ -167,13 +156,18 @@ def build_bundle(out_dir: Path, *, name: str, adapter_dir: Path, base_source: st
         shutil.copy2(report, out_dir / REPORT_DIR / report.name)
     if dataset_digest:
         (out_dir / DIGEST_FILE).write_text(dataset_digest + "\n")
-    described = describe_base(base_source)
+    # Pooling and normalisation are facts of a sentence-transformers folder; other kinds bring `details`.
+    described = describe_base(base_source) if kind == "sentence-transformers" else {}
     spec = BundleSpec(
         name=name,
+        task=task,
+        kind=kind,
+        runtime=runtime,
+        details=dict(details or {}),
         base=BaseRef(name=base_name or base_name_for(base_source), source=base_source, revision=base_revision),
-        pooling=described["pooling"],
-        normalize=described["normalize"],
-        max_seq_length=max_seq_length or described["max_seq_length"],
+        pooling=described.get("pooling"),
+        normalize=described.get("normalize"),
+        max_seq_length=max_seq_length or described.get("max_seq_length"),
         profile=profile or ServingProfile(),
         profile_source=profile_source,
         metrics={k: float(v) for k, v in (metrics or {}).items() if _is_number(v)},

@@ -1,5 +1,9 @@
 """Promotion and rollback: quality gate → alias `champion` → desired fleet state on NATS, live.
 
+The gate is the task kind's (`lorafleet.tasks.judge`, the same one research's verdict uses): the
+version's headline metric (test nDCG@10 for retrieval) must beat the base model's by a relative
+margin and must not fall behind the current champion's.
+
 Order matters for "nothing changed on error": everything that can fail for a reason the user must
 fix (unknown version, failing gate, base not served, NATS or the KV bucket unreachable) is checked
 before the alias moves; if the KV write still fails, the alias is moved back.
@@ -15,20 +19,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from lorafleet import settings
-from lorafleet.config import ServingProfile
-from lorafleet.registry import store
-from lorafleet.registry.fleet_state import (
+from lorafleet import heartbeats, settings
+from lorafleet.cluster import ClusterError, ClusterState
+from lorafleet.config import FleetConfig, ServingProfile, load_yaml_model
+from lorafleet.fleet_state import (
     FleetEntry,
     FleetStateError,
     adapter_id_for,
     open_fleet_bucket,
     put_entry,
 )
+from lorafleet.nats_server import port_open
+from lorafleet.refs import version_uri
+from lorafleet.registry import store
 from lorafleet.registry.store import CANDIDATE, CHAMPION, VersionInfo
+from lorafleet.tasks import GateResult, get_task_kind
 
-GATE_METRIC = "test_ndcg@10"
-BASE_METRIC = "base_test_ndcg@10"
 DEFAULT_MARGIN = 0.0
 MARGIN_ENV = "LORAFLEET_PROMOTE_MARGIN"
 
@@ -37,18 +43,8 @@ class PromotionError(RuntimeError):
     """Promotion or rollback refused; nothing was changed. The message says why and what to do."""
 
 
-@dataclass
-class GateResult:
-    ok: bool
-    reasons: list[str]
-    score: float | None
-    champion_score: float | None
-    base_score: float | None
-    margin: float
-
-
 def default_margin() -> float:
-    """The gate's margin over the base model (absolute nDCG@10), from LORAFLEET_PROMOTE_MARGIN."""
+    """The gate's relative margin over the base model (0.02 = 2 %), from LORAFLEET_PROMOTE_MARGIN."""
     raw = os.environ.get(MARGIN_ENV)
     if raw is None:
         return DEFAULT_MARGIN
@@ -59,26 +55,11 @@ def default_margin() -> float:
 
 
 def check_gate(candidate: VersionInfo, champion: VersionInfo | None, margin: float) -> GateResult:
-    """Pure: the candidate's test nDCG@10 must reach the champion's and the base's plus `margin`."""
-    score = candidate.metric(GATE_METRIC)
-    base = candidate.metric(BASE_METRIC)
-    champ = champion.metric(GATE_METRIC) if champion is not None else None
-    reasons: list[str] = []
-    if score is None:
-        reasons.append(f"version {candidate.version} has no {GATE_METRIC} tag, so it cannot be judged")
-    else:
-        if base is None:
-            reasons.append(f"version {candidate.version} has no {BASE_METRIC} tag (the base model's score)")
-        elif score < base + margin:
-            reasons.append(f"{GATE_METRIC} {score:.4f} is {base + margin - score:.4f} below the base model's "
-                           f"{base:.4f} + margin {margin:.4f}")
-        if champion is not None and champion.version != candidate.version:
-            if champ is None:
-                reasons.append(f"the champion v{champion.version} has no {GATE_METRIC} tag to compare with")
-            elif score < champ:
-                reasons.append(f"{GATE_METRIC} {score:.4f} is {champ - score:.4f} below the champion "
-                               f"v{champion.version}'s {champ:.4f}")
-    return GateResult(not reasons, reasons, score, champ, base, margin)
+    """Pure apart from the plugin lookup: the candidate's task kind judges it against base and champion."""
+    kind = get_task_kind(candidate.task)
+    return kind.gate(candidate.metrics(), champion.metrics() if champion is not None else None, margin,
+                     candidate_label=f"version {candidate.version}",
+                     champion_label=f"the champion v{champion.version}" if champion is not None else "the champion")
 
 
 # -- finding the fleet ----------------------------------------------------------------------------
@@ -92,15 +73,11 @@ class FleetTarget:
 
 def find_fleet(nats_url: str | None = None, fleet_file: Path | None = None) -> FleetTarget:
     """The cluster to publish to: --nats-url (and --fleet) if given, else LORAFLEET_HOME/cluster.json."""
-    from lorafleet.config import FleetConfig, load_yaml_model
-
     bases: list[str] | None = None
     if fleet_file is not None:
         bases = [b.name for b in load_yaml_model(FleetConfig, fleet_file).bases]
     if nats_url:
         return FleetTarget(nats_url, bases, "--nats-url")
-    from lorafleet.serve.cluster import ClusterError, ClusterState
-
     try:
         state = ClusterState.load(settings.home())
     except ClusterError as exc:
@@ -112,21 +89,9 @@ def find_fleet(nats_url: str | None = None, fleet_file: Path | None = None) -> F
 
 
 async def _heartbeat_bases(nc: object, wait_s: float = 2.5) -> list[str]:
-    from lorafleet.wire import HEARTBEAT_PREFIX, Heartbeat
-
-    seen: set[str] = set()
-    got = asyncio.Event()
-
-    async def on_hb(msg: object) -> None:
-        with contextlib.suppress(Exception):
-            seen.update(Heartbeat.from_wire(msg.data).bases)  # type: ignore[attr-defined]
-            got.set()
-
-    sub = await nc.subscribe(f"{HEARTBEAT_PREFIX}.>", cb=on_hb)  # type: ignore[attr-defined]
-    with contextlib.suppress(asyncio.TimeoutError):
-        await asyncio.wait_for(got.wait(), wait_s)
-    await sub.unsubscribe()
-    return sorted(seen)
+    """The bases that live workers serve, from the first heartbeat(s) heard within `wait_s`."""
+    seen = await heartbeats.collect(nc, wait_s, until=bool)
+    return sorted({b for hb in seen.values() for b in hb.bases})
 
 
 async def _connect(url: str) -> object:
@@ -134,8 +99,6 @@ async def _connect(url: str) -> object:
     from urllib.parse import urlsplit
 
     import nats
-
-    from lorafleet.nats_server import port_open
 
     parts = urlsplit(url)
     if not port_open(parts.hostname or "127.0.0.1", parts.port or 4222, timeout=2.0):
@@ -168,7 +131,7 @@ class Outcome:
 def _entry(info: VersionInfo, base: str, profile: ServingProfile | None,
            action: Literal["promote", "rollback"]) -> FleetEntry:
     return FleetEntry(name=info.name, base=base, adapter_id=adapter_id_for(info.name, info.version),
-                      adapter_uri=f"models:/{info.name}/{info.version}", profile=profile,
+                      adapter_uri=version_uri(info.name, info.version), profile=profile,
                       version=info.version, registered_model=info.name, action=action)
 
 

@@ -18,9 +18,12 @@ from typing import Any, NamedTuple
 
 from lorafleet import settings
 from lorafleet.config import ServingProfile
+from lorafleet.metrics import from_mlflow_key, mlflow_key
+from lorafleet.refs import NAME_RE
 from lorafleet.registry.bundle import (
     ADAPTER_DIR,
     BUNDLE_FILE,
+    DEFAULT_TASK,
     BundleError,
     BundleIntegrityError,
     BundleSpec,
@@ -29,6 +32,7 @@ from lorafleet.registry.bundle import (
     sha256_file,
     verify_bundle,
 )
+from lorafleet.tasks import get_task_kind
 
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
@@ -39,8 +43,7 @@ TAG_SPEC_SHA = "bundle_sha256"
 TAG_BASE = "base_model"
 TAG_DIGEST = "dataset_digest"
 TAG_HISTORY = "lorafleet.champion_history"  # registered-model tag: champion versions, oldest first
-HEADLINE = ("test_ndcg@10", "base_test_ndcg@10", "bm25_test_ndcg@10", "dev_ndcg@10", "base_dev_ndcg@10",
-            "test_mrr@10", "test_recall@10")
+TAG_TASK = "lorafleet.task"
 
 
 class RegistryError(RuntimeError):
@@ -66,7 +69,7 @@ class VersionInfo:
     tags: dict[str, str] = field(default_factory=dict)
 
     def metric(self, name: str) -> float | None:
-        raw = self.tags.get(metric_tag(name))
+        raw = self.tags.get(mlflow_key(name))
         try:
             return float(raw) if raw is not None else None
         except ValueError:
@@ -76,10 +79,18 @@ class VersionInfo:
     def base(self) -> str | None:
         return self.tags.get(TAG_BASE)
 
+    @property
+    def task(self) -> str:
+        """The task kind that trained this version (versions from before kinds were recorded: retrieval)."""
+        return self.tags.get(TAG_TASK) or DEFAULT_TASK
 
-def metric_tag(name: str) -> str:
-    """MLflow tag/metric key for a metric name ('@' is not allowed in MLflow keys)."""
-    return name.replace("@", "_at_")
+    def metrics(self) -> dict[str, float]:
+        """Every metric recorded in the version's tags, under its lorafleet name (`test_ndcg@10`)."""
+        out: dict[str, float] = {}
+        for k, v in self.tags.items():
+            with contextlib.suppress(ValueError):
+                out[from_mlflow_key(k)] = float(v)
+        return out
 
 
 def tracking_uri() -> str:
@@ -118,24 +129,25 @@ def register_bundle(name: str, adapter_dir: str | Path, *, base_source: str, bas
                     profile_source: str = "default", metrics: dict[str, float] | None = None,
                     dataset_digest: str | None = None, report_paths: list[Path] | None = None,
                     max_seq_length: int | None = None, run_id: str | None = None, alias: str | None = None,
-                    description: str | None = None, extra_tags: dict[str, str] | None = None) -> BundleRef:
+                    description: str | None = None, extra_tags: dict[str, str] | None = None,
+                    task: str = DEFAULT_TASK, kind: str = "sentence-transformers",
+                    runtime: str = "sentence-transformers", details: dict[str, Any] | None = None) -> BundleRef:
     """Build the bundle, log it under `run_id` (or a new run in the bundles experiment), register a version.
 
     Returns (name, version). With `alias`, points it at the new version (research uses 'candidate').
     """
     from mlflow.entities import RunStatus
 
-    from lorafleet.registry.bundle import KEY_NAME_RE
-
-    if not KEY_NAME_RE.match(name):
-        raise RegistryError(f"bundle name {name!r} must match {KEY_NAME_RE.pattern} (it becomes a served name)")
+    if not NAME_RE.match(name):
+        raise RegistryError(f"bundle name {name!r} must match {NAME_RE.pattern} (it becomes a served name)")
     c = client()
     with tempfile.TemporaryDirectory(prefix="lorafleet-bundle-") as tmp:
         bundle_dir = Path(tmp) / "bundle"
         spec = build_bundle(bundle_dir, name=name, adapter_dir=Path(adapter_dir), base_source=base_source,
                             base_name=base_name, base_revision=base_revision, profile=profile,
                             profile_source=profile_source, metrics=metrics, dataset_digest=dataset_digest,
-                            report_paths=report_paths, max_seq_length=max_seq_length)
+                            report_paths=report_paths, max_seq_length=max_seq_length, task=task, kind=kind,
+                            runtime=runtime, details=details)
         spec_sha = sha256_file(bundle_dir / BUNDLE_FILE)
         own_run = run_id is None
         if own_run:
@@ -152,18 +164,20 @@ def register_bundle(name: str, adapter_dir: str | Path, *, base_source: str, bas
             c.log_artifacts(run_id, str(bundle_dir), artifact_path)
             if own_run:
                 for k, v in spec.metrics.items():
-                    c.log_metric(run_id, metric_tag(k), v)
+                    c.log_metric(run_id, mlflow_key(k), v)
         finally:
             if own_run:
                 c.set_terminated(run_id, RunStatus.to_string(RunStatus.FINISHED))
     source = f"{run.info.artifact_uri.rstrip('/')}/{artifact_path}"
     with contextlib.suppress(Exception):  # already exists
         c.create_registered_model(name, description="lorafleet bundle (LoRA adapter + serving profile)")
-    tags = {metric_tag(k): f"{v:.6g}" for k, v in spec.metrics.items()}
+    tags = {mlflow_key(k): f"{v:.6g}" for k, v in spec.metrics.items()}
     tags.update({TAG_SPEC_SHA: spec_sha, TAG_BASE: spec.base.name, "runtime": spec.runtime,
-                 "profile_source": spec.profile_source})
-    if "test_ndcg@10" in spec.metrics and "base_test_ndcg@10" in spec.metrics:
-        tags["test_ndcg_gain"] = f"{spec.metrics['test_ndcg@10'] - spec.metrics['base_test_ndcg@10']:.6g}"
+                 "profile_source": spec.profile_source, TAG_TASK: task})
+    headline = get_task_kind(task).metrics.headline
+    if headline in spec.metrics and f"base_{headline}" in spec.metrics:
+        gain = spec.metrics[headline] - spec.metrics[f"base_{headline}"]
+        tags[f"{mlflow_key(headline).split('_at_')[0]}_gain"] = f"{gain:.6g}"
     if dataset_digest:
         tags[TAG_DIGEST] = dataset_digest
     tags.update(extra_tags or {})
@@ -341,7 +355,6 @@ __all__ = [
     "fetch_adapter",
     "get_version",
     "list_models",
-    "metric_tag",
     "register_bundle",
     "set_alias",
     "versions",

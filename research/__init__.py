@@ -3,8 +3,12 @@
     lorafleet research run configs/german-legal.yaml [--trials N] [--budget-minutes M] [--study NAME]
     lorafleet research resume NAME
 
-Python: `run_research(load_config(path), ...) -> ResearchResult`; `result.candidate` tells the ship
-step (tune + register) whether `result.winner_adapter_dir` may go on.
+What a trial trains and how it is judged comes from the config's task kind (`task:`, default
+retrieval; lorafleet.tasks): its dataset, training, evaluation, objective and direction, baseline,
+and the margin rule that also gates promotion. This stage never imports a kind's implementation.
+
+Python: `run_research(load_config(path), ...) -> ResearchResult`; `result.candidate` tells whether
+`result.winner_adapter_dir` may be shipped (`lorafleet.pipeline.ship` tunes and registers it).
 
 State: the Optuna study (RDB storage, sqlite at LORAFLEET_HOME/optuna/optuna.db by default) holds the
 trials, the config it was started with, the search-space fingerprint, the baseline and the MLflow
@@ -24,25 +28,37 @@ tracking server, e.g.
 over the whole study, so concurrent processes may overshoot it by at most one trial each. A trial
 whose process dies is noticed at once on the same host (pid check) or, on another host, after
 `grace_s` without heartbeat; it is marked failed and its configuration is queued again.
+
+Public API: load_config, from_raw, LoadedConfig, ResearchConfig, space_fingerprint, run_research,
+loaded_from_study, ResearchResult, StudyError.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-# Heavy modules (optuna, mlflow, torch via train) load on first use, so `lorafleet --help` stays fast.
-_EXPORTS = {
-    "ResearchConfig": "config", "LoadedConfig": "config", "load_config": "config", "space_fingerprint": "config",
-    "ResearchResult": "runner", "run_research": "runner", "loaded_from_study": "runner",
-    "StudyError": "study", "TrainAPI": "objective",
-}
+_CONFIG = {"ResearchConfig", "LoadedConfig", "load_config", "from_raw", "space_fingerprint"}
+_RUNNER = {"run_research", "loaded_from_study"}
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted(_CONFIG | _RUNNER | {"ResearchResult", "StudyError"})
 
 
 def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        import importlib
+    # Heavy modules (optuna, mlflow) load on first use, so `lorafleet --help` stays fast.
+    if name in _CONFIG:
+        from lorafleet.research import config
 
-        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+        return getattr(config, name)
+    if name in _RUNNER:
+        from lorafleet.research import runner
+
+        return getattr(runner, name)
+    if name == "ResearchResult":
+        from lorafleet.research.result import ResearchResult
+
+        return ResearchResult
+    if name == "StudyError":
+        from lorafleet.research.study import StudyError
+
+        return StudyError
     raise AttributeError(name)

@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from lorafleet.config import ConfigError, StrictModel, apply_overrides, read_yaml, validate_model
+from lorafleet.plugins import PluginError
+from lorafleet.tasks import TaskKind, get_task_kind
 
 STUDY_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 
@@ -108,7 +110,8 @@ class ResearchConfig(StrictModel):
     n_trials: int = Field(20, ge=1, description="Trials to finish (complete or pruned), counted over the whole study.")
     budget_minutes: float = Field(60.0, gt=0, description="Wall-clock budget of one `run` or `resume` invocation.")
     trial_timeout_minutes: float = Field(30.0, gt=0, description="A trial running longer fails ('time limit').")
-    objective: str = Field("dev_ndcg@10", description="Dev metric (from train's evaluation) that is maximised.")
+    objective: str | None = Field(None, description="Dev metric that is optimised; default: the task kind's "
+                                  "(dev_ndcg@10 for retrieval), in the kind's direction.")
     sampler: SamplerConfig = Field(default_factory=SamplerConfig)
     pruner: PrunerConfig = Field(default_factory=PrunerConfig)
     min_margin: float = Field(
@@ -143,7 +146,7 @@ class ResearchConfig(StrictModel):
             raise ValueError("search space is empty: add at least one parameter under research.space")
         if self.grace_s <= self.heartbeat_s:
             raise ValueError("grace_s must be larger than heartbeat_s")
-        if not self.objective.startswith("dev_"):
+        if self.objective is not None and not self.objective.startswith("dev_"):
             raise ValueError(f"objective {self.objective!r} must be a dev metric (dev_…); test is kept for the winner")
         return self
 
@@ -207,17 +210,29 @@ def validate_space(space: dict[str, Any], train_raw: dict[str, Any], train_model
                     from exc
 
 
-class LoadedConfig(BaseModel):
-    """A research config with the raw `train:` section it searches around."""
+DEFAULT_TASK = "retrieval"
 
+
+class LoadedConfig(BaseModel):
+    """A research config: the task kind, the raw `train:` section it searches around, and `research:`.
+
+    `research.objective` is always set here (the task kind's when the file names none).
+    """
+
+    task: str = DEFAULT_TASK
     research: ResearchConfig
     train_raw: dict[str, Any]
     source: str
 
+    @property
+    def objective(self) -> str:
+        assert self.research.objective is not None
+        return self.research.objective
 
-def load_config(path: str | Path, overrides: list[str] | None = None, train_model: type[StrictModel] | None = None,
-                ) -> LoadedConfig:
-    """Read `train:` + `research:` from a YAML file, apply `--set` overrides, validate both."""
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> LoadedConfig:
+    """Read `task:` (default retrieval), `train:` and `research:` from a YAML file, apply `--set` overrides,
+    validate all three."""
     path = Path(path)
     raw = read_yaml(path)
     if not isinstance(raw, dict):
@@ -226,14 +241,26 @@ def load_config(path: str | Path, overrides: list[str] | None = None, train_mode
     for section in ("train", "research"):
         if section not in raw:
             raise ConfigError(f"{path} has no top-level '{section}:' section")
-    return from_raw(raw["train"] or {}, raw["research"] or {}, str(path), train_model)
+    unknown = sorted(set(raw) - {"task", "train", "research"})
+    if unknown:
+        raise ConfigError(f"{path}: unknown top-level key(s) {unknown}; expected task, train and research")
+    return from_raw(raw["train"] or {}, raw["research"] or {}, str(path), raw.get("task") or DEFAULT_TASK)
 
 
-def from_raw(train_raw: dict[str, Any], research_raw: dict[str, Any], source: str,
-             train_model: type[StrictModel] | None = None) -> LoadedConfig:
-    if train_model is None:
-        from lorafleet.train import TrainConfig as train_model
+def task_kind(name: str) -> TaskKind:
+    """The task kind `name`, or a ConfigError listing the installed ones."""
+    try:
+        return get_task_kind(name)
+    except PluginError as exc:
+        raise ConfigError(f"task: {exc}") from exc
+
+
+def from_raw(train_raw: dict[str, Any], research_raw: dict[str, Any], source: str, task: str = DEFAULT_TASK
+             ) -> LoadedConfig:
+    kind = task_kind(task)
     research = validate_model(ResearchConfig, research_raw, source=f"{source} (research:)")
-    validate_model(train_model, train_raw, source=f"{source} (train:)")
-    validate_space(research.space, train_raw, train_model)
-    return LoadedConfig(research=research, train_raw=train_raw, source=source)
+    if research.objective is None:
+        research = research.model_copy(update={"objective": kind.metrics.objective})
+    validate_model(kind.config_model, train_raw, source=f"{source} (train:)")
+    validate_space(research.space, train_raw, kind.config_model)
+    return LoadedConfig(task=task, research=research, train_raw=train_raw, source=source)

@@ -8,35 +8,32 @@ import contextlib
 import json
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+from lorafleet.metrics import prefixed, to_test
+from lorafleet.tasks import beats
 
 from .config import apply_params
-from .objective import _device, metrics_of
+from .objective import metrics_of
 from .progress import Progress
 from .report import render_markdown, save_plots
-from .study import ATTR_FINALIZED, decode_params, jsonable, study_attr, trials_table
+from .result import ResearchResult
+from .session import Session
+from .study import ATTR_FINALIZED, decode_params, jsonable, study_attr, trial_counts, trials_table, winner_of
 from .tracking import PARENT_TAG, TAG_ROLE
-
-if TYPE_CHECKING:
-    from .runner import ResearchResult, _Session
 
 ATTR_RESEED = "reseed"
 
 
-def _test_key(objective: str) -> str:
-    return "test_" + objective.removeprefix("dev_")
-
-
-def _evaluate_test(session: _Session, train_cfg: Any, adapter_dir: str, stash: Path | None = None
+def _evaluate_test(session: Session, train_cfg: Any, adapter_dir: str, stash: Path | None = None
                    ) -> dict[str, float]:
     if stash is not None and stash.is_file():  # written by the trial itself, read only for the winner
         return {k: float(v) for k, v in json.loads(stash.read_text()).items()}
-    api = session.api
-    model = api.load_adapter_model(train_cfg.base_model, Path(adapter_dir), device=_device(train_cfg))
-    return {k: float(v) for k, v in api.evaluate_model(model, session.datasets.get(train_cfg), "test").items()}
+    dataset = session.datasets.get(train_cfg)
+    return {k: float(v) for k, v in session.kind.evaluate(train_cfg, dataset, Path(adapter_dir), "test").items()}
 
 
-def _reseed(session: _Session, winner_number: int, train_cfg: Any, progress: Progress) -> dict[str, float]:
+def _reseed(session: Session, winner_number: int, train_cfg: Any, progress: Progress) -> dict[str, float]:
     """Train the winner's configuration again with another seed (once per winner; reused on resume)."""
     stored = study_attr(session.study, ATTR_RESEED)
     if stored and stored.get("trial") == winner_number:
@@ -53,7 +50,7 @@ def _reseed(session: _Session, winner_number: int, train_cfg: Any, progress: Pro
                                   {"winner_trial": winner_number, "seed": seed_cfg.seed})
     progress.note(f"[research] re-training trial #{winner_number}'s configuration with seed {seed_cfg.seed}")
     try:
-        result = session.api.train_adapter(
+        result = session.kind.train(
             seed_cfg, session.datasets.get(seed_cfg), session.dir / f"winner-{winner_number:03d}-seed{seed_cfg.seed}",
             on_epoch=lambda epoch, m: tracker.log_metrics(run_id, m, step=epoch),
         )
@@ -70,22 +67,20 @@ def _reseed(session: _Session, winner_number: int, train_cfg: Any, progress: Pro
     return metrics
 
 
-def finalize(session: _Session, result: ResearchResult, progress: Progress) -> ResearchResult:
+def finalize(session: Session, result: ResearchResult, progress: Progress) -> ResearchResult:
     cfg = session.cfg
     study = session.study
-    objective, test_obj = cfg.objective, _test_key(cfg.objective)
+    objective, test_obj = session.loaded.objective, to_test(session.loaded.objective)
     session.reconcile()
     baseline = session.baseline()
     result.baseline = baseline
-    from .runner import _counts, winner_of
-
-    result.trials = _counts(study)
+    result.trials = trial_counts(study)
     winner = winner_of(study)
     if winner is None:
         result.verdict = "no trial completed, so there is no winner and no candidate"
     else:
         params = decode_params(cfg.space, winner.params)
-        train_cfg = apply_params(session.loaded.train_raw, params, session.api.TrainConfig)
+        train_cfg = apply_params(session.loaded.train_raw, params, session.kind.config_model)
         adapter_dir = winner.user_attrs["adapter_dir"]
         progress.note(f"[research] winner on dev: trial #{winner.number} ({objective}={winner.value:.4f}); "
                       "evaluating it on test")
@@ -93,6 +88,7 @@ def finalize(session: _Session, result: ResearchResult, progress: Progress) -> R
         result.winner_trial, result.winner_params = winner.number, params
         result.winner_config = train_cfg.model_dump(mode="json")
         result.winner_adapter_dir = adapter_dir
+        result.dataset_digest = winner.user_attrs.get("dataset_digest") or None
         stash = session.dir / f"trial-{winner.number:03d}" / "test_metrics.json"
         result.winner_metrics = {**dev, **_evaluate_test(session, train_cfg, adapter_dir, stash)}
         if cfg.reseed:
@@ -100,7 +96,8 @@ def finalize(session: _Session, result: ResearchResult, progress: Progress) -> R
             for key in (objective, test_obj):
                 if key in result.winner_metrics and key in result.reseed_metrics:
                     result.spread[key] = abs(result.winner_metrics[key] - result.reseed_metrics[key])
-        result.candidate, result.verdict = _verdict(cfg.min_margin, objective, baseline, result)
+        result.candidate, result.verdict = _verdict(cfg.min_margin, objective, session.kind.metrics.direction,
+                                                    baseline, result)
     _write_summary(session, result)
     study.set_user_attr(ATTR_FINALIZED, {"trials": len(study.get_trials(deepcopy=False)), "at": time.time(),
                                          "candidate": result.candidate, "verdict": result.verdict,
@@ -111,28 +108,31 @@ def finalize(session: _Session, result: ResearchResult, progress: Progress) -> R
     return result
 
 
-def _verdict(margin: float, objective: str, baseline: dict[str, float], result: ResearchResult) -> tuple[bool, str]:
-    """Candidate only if every seed beats the base model on test (and the winner on dev) by the relative margin."""
-    test_obj = _test_key(objective)
+def _verdict(margin: float, objective: str, direction: str, baseline: dict[str, float], result: ResearchResult
+             ) -> tuple[bool, str]:
+    """Candidate only if the winner on dev and every seed on test beat the base model by the relative margin.
+
+    The margin means what it means in the promotion gate (lorafleet.tasks.beats): a share of the base's score.
+    """
+    test_obj = to_test(objective)
     base_dev, base_test = baseline.get(f"base_{objective}"), baseline.get(f"base_{test_obj}")
     if base_dev is None or base_test is None:
         return False, "baseline metrics are missing, so the winner cannot be judged; no candidate"
     tests = [m[test_obj] for m in (result.winner_metrics, result.reseed_metrics) if test_obj in m]
-    worst_test = min(tests)
-    dev = result.winner_metrics.get(objective, float("-inf"))
-    need_dev, need_test = base_dev * (1 + margin), base_test * (1 + margin)
+    worst_test = min(tests) if direction == "maximize" else max(tests)
+    dev = result.winner_metrics.get(objective, float("nan"))
     seeds = f"{len(tests)} seed(s)"
-    if dev >= need_dev and worst_test >= need_test:
-        gain = (worst_test / base_test - 1) * 100 if base_test > 0 else float("inf")
+    if beats(dev, base_dev, margin, direction) and beats(worst_test, base_test, margin, direction):  # type: ignore[arg-type]
+        gain = (worst_test / base_test - 1) * 100 if base_test else float("inf")
         return True, (f"candidate: trial #{result.winner_trial} beats the base model on test by {gain:+.1f}% "
                       f"(worst of {seeds}: {test_obj}={worst_test:.4f} vs base {base_test:.4f}; "
                       f"margin {margin:.0%})")
     return False, (f"no candidate: the winner (trial #{result.winner_trial}) does not beat the base model by the "
-                   f"{margin:.0%} margin (dev {dev:.4f} vs needed {need_dev:.4f}; worst test of {seeds} "
-                   f"{worst_test:.4f} vs needed {need_test:.4f})")
+                   f"{margin:.0%} margin (dev {dev:.4f} vs base {base_dev:.4f}; worst test of {seeds} "
+                   f"{worst_test:.4f} vs base {base_test:.4f})")
 
 
-def _write_summary(session: _Session, result: ResearchResult) -> None:
+def _write_summary(session: Session, result: ResearchResult) -> None:
     tracker, parent, cfg = session.tracker, session.parent_run_id, session.cfg
     out = session.dir / "summary"
     out.mkdir(parents=True, exist_ok=True)
@@ -142,10 +142,10 @@ def _write_summary(session: _Session, result: ResearchResult) -> None:
     report.write_text(render_markdown(result, rows, cfg.model_dump(mode="json"), [p.name for p in plots]))
     (out / "summary.json").write_text(json.dumps({"result": result.to_json(), "trials": jsonable(rows)}, indent=2))
     result.report_path = str(report)
-    tracker.log_metrics(parent, {f"winner_{k}": v for k, v in result.winner_metrics.items()})
-    tracker.log_metrics(parent, {f"reseed_{k}": v for k, v in result.reseed_metrics.items()})
-    tracker.log_metrics(parent, {f"spread_{k}": v for k, v in result.spread.items()})
-    tracker.log_metrics(parent, {f"trials_{k}": v for k, v in result.trials.items()})
+    tracker.log_metrics(parent, prefixed(result.winner_metrics, "winner"))
+    tracker.log_metrics(parent, prefixed(result.reseed_metrics, "reseed"))
+    tracker.log_metrics(parent, prefixed(result.spread, "spread"))
+    tracker.log_metrics(parent, prefixed({k: float(v) for k, v in result.trials.items()}, "trials"))
     tracker.set_tags(parent, {
         "lorafleet.candidate": str(result.candidate).lower(), "lorafleet.verdict": result.verdict[:4000],
         "lorafleet.best_trial": "" if result.winner_trial is None else result.winner_trial,

@@ -18,6 +18,8 @@ from typing import Any
 
 import optuna
 
+from lorafleet.tasks import TaskKind
+
 from .config import LoadedConfig, apply_params
 from .progress import Progress
 from .study import decode_params, retry_trial, suggest, worker_id
@@ -28,55 +30,17 @@ class TrialTimeout(Exception):
     """A trial ran past its time limit (per-trial limit or what was left of the budget)."""
 
 
-@dataclass
-class TrainAPI:
-    """The slice of lorafleet.train that research uses; swappable for pure-logic unit tests."""
-
-    TrainConfig: type
-    build_dataset: Callable[..., Any]
-    evaluate_model: Callable[..., dict[str, float]]
-    evaluate_bm25: Callable[..., dict[str, float]]
-    train_adapter: Callable[..., Any]
-    load_adapter_model: Callable[..., Any]
-    load_base_model: Callable[..., Any] | None = None
-
-    @classmethod
-    def default(cls) -> TrainAPI:
-        from lorafleet import train
-
-        try:
-            from lorafleet.train.trainer import load_base_model as load_base
-        except ImportError:  # an older train/ without it: research loads the base itself
-            load_base = None
-        return cls(TrainConfig=train.TrainConfig, build_dataset=train.build_dataset,
-                   evaluate_model=train.evaluate_model, evaluate_bm25=train.evaluate_bm25,
-                   train_adapter=train.train_adapter, load_adapter_model=train.load_adapter_model,
-                   load_base_model=None if load_base is None else
-                   lambda cfg: load_base(cfg.base_model, _device(cfg), cfg.max_seq_length))
-
-
-def _device(cfg: Any) -> str:
-    device = str(getattr(cfg, "device", "cpu"))
-    if device == "auto":
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
-
-
 class DatasetCache:
-    """A dataset depends on the `data` section, the tokenizer and the chunk length; trials sharing them share it."""
+    """Trials whose configs give the same `kind.dataset_key` share one dataset (built once per process)."""
 
-    def __init__(self, api: TrainAPI) -> None:
-        self.api = api
+    def __init__(self, kind: TaskKind) -> None:
+        self.kind = kind
         self._cache: dict[str, Any] = {}
 
     def get(self, cfg: Any) -> Any:
-        data = getattr(cfg, "data", None)
-        key = json.dumps([data.model_dump(mode="json") if data is not None else {}, getattr(cfg, "base_model", None),
-                          getattr(cfg, "max_seq_length", None)], sort_keys=True)
+        key = self.kind.dataset_key(cfg)
         if key not in self._cache:
-            self._cache[key] = self.api.build_dataset(cfg)
+            self._cache[key] = self.kind.build_dataset(cfg)
         return self._cache[key]
 
 
@@ -111,7 +75,7 @@ def metrics_of(result: Any) -> dict[str, float]:
 @dataclass
 class TrialObjective:
     loaded: LoadedConfig
-    api: TrainAPI
+    kind: TaskKind
     tracker: Tracker
     parent_run_id: str
     trials_dir: Path
@@ -123,11 +87,11 @@ class TrialObjective:
 
     def __call__(self, trial: optuna.Trial) -> float:
         cfg = self.loaded.research
-        objective = cfg.objective
+        objective = self.loaded.objective
         retry_of = trial.user_attrs.get("retry_of")
         params = suggest(trial, cfg.space)
         trial.set_user_attr("worker", worker_id())
-        train_cfg = apply_params(self.loaded.train_raw, params, self.api.TrainConfig)
+        train_cfg = apply_params(self.loaded.train_raw, params, self.kind.config_model)
         run_id = self.tracker.start_trial(self.parent_run_id, trial.number, trial.params, retry_of)
         trial.set_user_attr("mlflow_run_id", run_id)
         self.progress.trial_started(trial.number, self.counted(), params)
@@ -161,7 +125,7 @@ class TrialObjective:
             if limit <= 0:
                 raise TrialTimeout("no budget left for this trial")
             with time_limit(limit):
-                result = self.api.train_adapter(train_cfg, self.datasets.get(train_cfg), out_dir, on_epoch=on_epoch)
+                result = self.kind.train(train_cfg, self.datasets.get(train_cfg), out_dir, on_epoch=on_epoch)
         except optuna.TrialPruned as exc:
             record_cost()
             self.tracker.finish_trial(run_id, "pruned", str(exc))
@@ -196,6 +160,7 @@ class TrialObjective:
         if test:
             (out_dir / "test_metrics.json").write_text(json.dumps(test))
         trial.set_user_attr("adapter_dir", adapter_dir)
+        trial.set_user_attr("dataset_digest", getattr(result, "dataset_digest", "") or "")
         trial.set_user_attr("dev_metrics", {k: float(v) for k, v in metrics.items() if k.startswith("dev_")})
         self.tracker.set_tags(run_id, {"lorafleet.adapter_dir": adapter_dir,
                                        "lorafleet.dataset_digest": getattr(result, "dataset_digest", "")})
@@ -205,11 +170,12 @@ class TrialObjective:
         return value
 
     def _best(self, trial: optuna.Trial, value: float | None = None) -> tuple[int, float] | None:
+        sign = 1.0 if self.kind.metrics.direction == "maximize" else -1.0
         best: tuple[int, float] | None = None
         for t in trial.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
-            if t.value is not None and (best is None or t.value > best[1]):
+            if t.value is not None and (best is None or sign * t.value > sign * best[1]):
                 best = (t.number, t.value)
-        if value is not None and (best is None or value > best[1]):
+        if value is not None and (best is None or sign * value > sign * best[1]):
             best = (trial.number, value)
         return best
 

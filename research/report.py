@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING, Any
 
 import optuna
 
-if TYPE_CHECKING:
-    from .runner import ResearchResult
+from lorafleet.tasks import MetricSpec, get_task_kind
 
-HEADLINE = ("ndcg@10", "mrr@10", "recall@1", "recall@10", "recall@100", "map@100")
+if TYPE_CHECKING:
+    from .result import ResearchResult
 
 
 def save_plots(study: optuna.Study, out: Path) -> list[Path]:
@@ -44,13 +44,23 @@ def save_plots(study: optuna.Study, out: Path) -> list[Path]:
     return written
 
 
+def _spec(result: ResearchResult) -> MetricSpec:
+    return get_task_kind(result.task).metrics
+
+
+def columns(result: ResearchResult) -> list[str]:
+    return ["metric", "base model", _spec(result).baseline_label, "winner", "winner, seed 2"]
+
+
 def comparison_rows(result: ResearchResult) -> list[tuple[str, list[float | None]]]:
-    """Rows (metric, [base, bm25, winner, winner seed 2]) for dev and test."""
+    """Rows (metric, [base, the non-learned baseline, winner, winner seed 2]) for dev and test."""
+    spec = _spec(result)
+    names = spec.report or (spec.objective.removeprefix("dev_"),)
     rows = []
     for split in ("dev", "test"):
-        for m in HEADLINE:
+        for m in names:
             key = f"{split}_{m}"
-            vals = [result.baseline.get(f"base_{key}"), result.baseline.get(f"bm25_{key}"),
+            vals = [result.baseline.get(f"base_{key}"), result.baseline.get(f"{spec.baseline}_{key}"),
                     result.winner_metrics.get(key), result.reseed_metrics.get(key)]
             if any(v is not None for v in vals):
                 rows.append((key, vals))
@@ -74,8 +84,7 @@ def render_markdown(result: ResearchResult, trials: list[dict[str, Any]], resear
         if result.spread:
             lines += ["Seed spread (|seed 1 − seed 2|): " +
                       ", ".join(f"{k} {v:.4f}" for k, v in result.spread.items()), ""]
-    lines += ["## Baseline vs winner", "", "| metric | base model | BM25 | winner | winner, seed 2 |",
-              "|---|---|---|---|---|"]
+    lines += ["## Baseline vs winner", "", "| " + " | ".join(columns(result)) + " |", "|---|---|---|---|---|"]
     lines += [f"| {k} | " + " | ".join(_fmt(v) for v in vals) + " |" for k, vals in comparison_rows(result)]
     lines += ["", "## Trials", "", "| # | state | objective | epochs run | wall s | params | note |",
               "|---|---|---|---|---|---|---|"]
@@ -107,7 +116,7 @@ def print_summary(result: ResearchResult) -> None:
         console.print("look at it: lorafleet ui")
         return
     table = Table(title=f"research {result.study}: baseline vs winner")
-    for col in ("metric", "base model", "BM25", "winner", "winner, seed 2"):
+    for col in columns(result):
         table.add_column(col, justify="left" if col == "metric" else "right")
     for key, vals in comparison_rows(result):
         table.add_row(key, *(_fmt(v) for v in vals))

@@ -138,7 +138,8 @@ def _worker_alive(worker: str) -> bool | None:
 
 
 def open_study(name: str, storage: optuna.storages.BaseStorage, cfg: ResearchConfig, snapshot: dict[str, Any], *,
-               must_exist: bool = False, seed_offset: int | None = None) -> tuple[optuna.Study, bool]:
+               must_exist: bool = False, seed_offset: int | None = None, direction: str = "maximize"
+               ) -> tuple[optuna.Study, bool]:
     """Create the study, or load it and check it searches the same space. Returns (study, created)."""
     fingerprint = space_fingerprint(cfg.space)
     pruner = make_pruner(cfg.pruner)
@@ -151,7 +152,7 @@ def open_study(name: str, storage: optuna.storages.BaseStorage, cfg: ResearchCon
                 from exc
     else:
         try:
-            study = optuna.create_study(study_name=name, storage=storage, direction="maximize", pruner=pruner)
+            study = optuna.create_study(study_name=name, storage=storage, direction=direction, pruner=pruner)
             study.set_user_attr(ATTR_CONFIG, snapshot)
             study.set_user_attr(ATTR_FINGERPRINT, fingerprint)
             created = True
@@ -268,3 +269,20 @@ def trials_table(study: optuna.Study, space: dict[str, Any]) -> list[dict[str, A
 
 def jsonable(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
+
+
+def trial_counts(study: optuna.Study) -> dict[str, int]:
+    """Trials by state (complete, pruned, fail, running, waiting)."""
+    out: dict[str, int] = {}
+    for t in study.get_trials(deepcopy=False):
+        out[t.state.name.lower()] = out.get(t.state.name.lower(), 0) + 1
+    return out
+
+
+def winner_of(study: optuna.Study) -> FrozenTrial | None:
+    """The best complete trial in the study's direction; ties go to the earlier trial."""
+    complete = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.value is not None]
+    if not complete:
+        return None
+    sign = 1.0 if study.direction == optuna.study.StudyDirection.MAXIMIZE else -1.0
+    return max(complete, key=lambda t: (sign * float(t.value), -t.number))  # type: ignore[arg-type]

@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from lorafleet.serve.gateway import run_gateway
+    from lorafleet.serve.routes import run_gateway
 
     run_gateway(fleet, nats_url=args.nats_url, host=args.host, port=args.port, gateway_id=args.gateway_id,
                 log_level="warning" if args.log_level in ("debug", "info") else args.log_level)

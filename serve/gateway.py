@@ -1,45 +1,35 @@
-"""The HTTP gateway: validate, annotate, publish one task per input, await results on one inbox.
+"""The gateway's request core: NATS lifecycle, resolve → count tokens → publish → await results.
 
-Request path (kept lean for throughput): auth → body (size-capped) → hand validation → resolve
-the served name → count tokens → check a live worker → publish all tasks concurrently to
-JetStream → await one future per request, resolved by the inbox subscription or by the
-deadline timer → answer in input order.
+Request path (kept lean for throughput): resolve the served name → count tokens → check a live
+worker → publish all tasks concurrently to JetStream → await one future per request, resolved by
+the inbox subscription or by the deadline timer → results in input order. The HTTP side (auth,
+body parsing, response shaping) is serve/routes.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
-import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import nats
-import orjson
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.errors import APIError, NoStreamResponseError
-from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route as HttpRoute
 
-from lorafleet import wire
+from lorafleet import heartbeats, wire
 from lorafleet.config import FleetConfig
-from lorafleet.models import resolve_model_source
+from lorafleet.fleet_state import FleetWatcher, merge_models
 from lorafleet.queue import JS_ERR_STREAM_FULL, ensure_streams
 from lorafleet.serve.auth import ApiKeys, load_api_keys
-from lorafleet.serve.errors import ApiError, bad_request, error_response, worker_error
-from lorafleet.serve.metrics import CONTENT_TYPE, GatewayMetrics
-from lorafleet.serve.parsing import deadline_seconds, parse_embeddings, parse_encode
+from lorafleet.serve.bases import load_bases
+from lorafleet.serve.errors import ApiError, bad_request, worker_error
+from lorafleet.serve.metrics import GatewayMetrics
 from lorafleet.serve.pending import COMPLETE, DUPLICATE, FILLED, LATE, MALFORMED, TIMEOUT, PendingTable
 from lorafleet.serve.resolver import Resolver, Route
 from lorafleet.serve.tokens import TokenCounter
@@ -47,25 +37,7 @@ from lorafleet.serve.workers import WorkerRegistry
 
 log = logging.getLogger("lorafleet.serve")
 
-DEADLINE_HEADER = "x-lorafleet-deadline-ms"
-MSGPACK = "application/msgpack"
 _PUBLISH_TIMEOUT_S = 5.0  # cap on one JetStream publish ack; the request deadline caps it further
-
-
-def native_dim(source: str) -> int | None:
-    """The output size of a local sentence-transformers folder (Pooling, no Dense), if it says so."""
-    path = Path(resolve_model_source(source))
-    try:
-        modules = json.loads((path / "modules.json").read_text())
-        if any("Dense" in m.get("type", "") for m in modules):
-            return None
-        pooling = next((m["path"] for m in modules if m.get("type", "").endswith("Pooling")), None)
-        if pooling is None:
-            return None
-        dim = json.loads((path / pooling / "config.json").read_text()).get("word_embedding_dimension")
-        return int(dim) if dim else None
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
 
 
 class Gateway:
@@ -81,13 +53,9 @@ class Gateway:
         self.pending = PendingTable()
         self.workers = WorkerRegistry(self.cfg.worker_liveness_s)
         self.metrics = GatewayMetrics(self.pending.tasks_in_flight)
-        # Loaded once per base: tokenizer loading is far too slow for the request path.
-        self.tokens = {b.name: TokenCounter.for_source(b.source) for b in fleet.bases}
+        # Filled by start(): tokenizers are read from disk once per base, off the event loop.
+        self.tokens: dict[str, TokenCounter] = {}
         self.dims: dict[str, int] = {}
-        for b in fleet.bases:
-            dim = native_dim(b.source)
-            if dim:
-                self.dims[b.name] = dim
         self.created = int(time.time())
         self.nc: NatsClient | None = None
         self.js: JetStreamContext | None = None
@@ -97,12 +65,15 @@ class Gateway:
         self._retry_after = {"Retry-After": str(self.cfg.retry_after_s)}
         self._connector: asyncio.Task[None] | None = None
         self._stream_setup: asyncio.Task[None] | None = None
-        self._fleet_watch: Any = None  # registry.fleet_state.FleetWatcher, once connected
+        self._fleet_watch: FleetWatcher | None = None
         self._last_nats_error = 0.0
 
     # ---- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
+        bases = await asyncio.to_thread(load_bases, self.fleet)
+        self.tokens = {name: info.tokens for name, info in bases.items()}
+        self.dims.update({name: info.dim for name, info in bases.items() if info.dim})
         # Connect in the background: the HTTP server (healthz, readyz → 503) is up while NATS is not.
         self._connector = asyncio.create_task(self._connect(), name="lorafleet-gateway-connect")
 
@@ -140,7 +111,7 @@ class Gateway:
         )
         js = nc.jetstream()
         await nc.subscribe(self._inbox + ">", cb=self._on_result)
-        await nc.subscribe(wire.HEARTBEAT_PREFIX + ".>", cb=self._on_heartbeat)
+        await heartbeats.subscribe(nc, self.workers.observe)
         self.nc, self.js = nc, js
         log.info("gateway %s connected to %s", self.gateway_id, self.nats_url)
         await self._watch_fleet_state(js)
@@ -148,7 +119,6 @@ class Gateway:
 
     async def _watch_fleet_state(self, js: JetStreamContext) -> None:
         """Promoted bundles (`lorafleet promote`) arrive through the fleet KV bucket; routes swap live."""
-        from lorafleet.registry.fleet_state import FleetWatcher, merge_models
 
         def on_change(table: dict[str, Any]) -> None:
             self.resolver.set_models(merge_models(self.fleet.models, table.values(), self.resolver.bases))
@@ -200,11 +170,10 @@ class Gateway:
         except Exception:  # a stray message on our inbox must not kill the subscription
             self.metrics.dropped_results.labels("malformed").inc()
             return
-        if result.error_code is None and (result.vector is None or len(result.vector) != 4 * result.dim
-                                          or result.dim <= 0):
+        problem = result.check()
+        if problem is not None:
             # Never answer a client with a vector of the wrong size: fail the request instead.
-            result.error_code = wire.ERR_MALFORMED
-            result.error_message = f"result has {len(result.vector or b'')} vector bytes for dim {result.dim}"
+            result.error_code, result.error_message = wire.ERR_MALFORMED, problem
         pending = self.pending.get(request_id)
         outcome = self.pending.deliver(request_id, result)
         if outcome is FILLED or outcome is COMPLETE:
@@ -215,15 +184,9 @@ class Gateway:
         elif outcome is LATE or outcome is DUPLICATE or outcome is MALFORMED:
             self.metrics.dropped_results.labels(outcome).inc()
 
-    async def _on_heartbeat(self, msg: Msg) -> None:
-        try:
-            self.workers.observe(wire.Heartbeat.from_wire(msg.data))
-        except Exception:
-            log.debug("ignoring a malformed heartbeat on %s", msg.subject)
-
     # ---- request path ------------------------------------------------------------------------
 
-    def _resolve(self, name: str) -> Route:
+    def resolve(self, name: str) -> Route:
         route = self.resolver.resolve(name)
         if route is None:
             names = ", ".join(self.resolver.served_names())
@@ -320,7 +283,7 @@ class Gateway:
         return ApiError(503, "queue_unavailable", f"publishing to the work queue failed ({exc!r}); retry shortly",
                         self._retry_after)
 
-    def _check_dimensions(self, route: Route, dimensions: int | None) -> None:
+    def check_dimensions(self, route: Route, dimensions: int | None) -> None:
         if dimensions is None:
             return
         native = self.dims.get(route.base)
@@ -329,82 +292,8 @@ class Gateway:
                 "vectors of its native size only; omit 'dimensions'")
             raise bad_request("unsupported_dimensions", f"model {route.name!r} returns {what}")
 
-    # ---- HTTP handlers -----------------------------------------------------------------------
-
-    async def embeddings(self, request: Request) -> Response:
-        t0 = time.perf_counter()
-        model = "_invalid"  # bounded label cardinality: only served names or this
-        try:
-            self.keys.check(request.headers.get("authorization"))
-            req = parse_embeddings(await read_body(request, self.cfg.max_body_bytes), self.cfg.max_inputs)
-            route = self._resolve(req.model)
-            model = route.name
-            self._check_dimensions(route, req.dimensions)
-            deadline_s = deadline_seconds(request.headers.get(DEADLINE_HEADER), None,
-                                          self.cfg.default_deadline_s, self.cfg.max_deadline_s)
-            results, tokens = await self.embed(route, req.inputs, deadline_s)
-            self._check_dimensions(route, req.dimensions)  # native size may only be known from the results
-            if req.encoding_format == "base64":
-                data: list[dict[str, Any]] = [
-                    {"object": "embedding", "index": i, "embedding": base64.b64encode(r.vector or b"").decode()}
-                    for i, r in enumerate(results)
-                ]
-            else:
-                data = [{"object": "embedding", "index": i, "embedding": r.array()} for i, r in enumerate(results)]
-            body = orjson.dumps(
-                {"object": "list", "data": data, "model": route.name,
-                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}},
-                option=orjson.OPT_SERIALIZE_NUMPY,
-            )
-            response = Response(body, media_type="application/json")
-        except ApiError as exc:
-            response = exc.response()
-        except Exception as exc:  # a bug, not the client's fault: still the JSON error shape, and counted
-            log.exception("%s failed", request.url.path)
-            response = error_response(500, "internal_error", f"the gateway failed: {exc!r}")
-        self._observe("embeddings", model, response.status_code, t0)
-        return response
-
-    async def encode(self, request: Request) -> Response:
-        t0 = time.perf_counter()
-        model = "_invalid"
-        try:
-            self.keys.check(request.headers.get("authorization"))
-            route = self._resolve(request.path_params["model"])
-            model = route.name
-            req = parse_encode(await read_body(request, self.cfg.max_body_bytes), self.cfg.max_inputs)
-            deadline_s = deadline_seconds(request.headers.get(DEADLINE_HEADER), req.deadline_ms,
-                                          self.cfg.default_deadline_s, self.cfg.max_deadline_s)
-            results, tokens = await self.embed(route, req.inputs, deadline_s)
-            body = wire.encode_response(route.name, [r.vector or b"" for r in results], results[0].dim, tokens)
-            response = Response(body, media_type=MSGPACK)
-        except ApiError as exc:
-            response = exc.response()
-        except Exception as exc:  # a bug, not the client's fault: still the JSON error shape, and counted
-            log.exception("%s failed", request.url.path)
-            response = error_response(500, "internal_error", f"the gateway failed: {exc!r}")
-        self._observe("encode", model, response.status_code, t0)
-        return response
-
-    def _observe(self, route: str, model: str, code: int, t0: float) -> None:
-        self.metrics.request_done(route, model, code, time.perf_counter() - t0)
-
-    async def models(self, request: Request) -> Response:
-        try:
-            self.keys.check(request.headers.get("authorization"))
-        except ApiError as exc:
-            return exc.response()
-        data = [
-            {"id": r.name, "object": "model", "created": self.created, "owned_by": "lorafleet", "root": r.base,
-             "adapter": r.adapter}
-            for r in self.resolver.routes()
-        ]
-        return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
-
-    async def healthz(self, request: Request) -> Response:
-        return JSONResponse({"status": "ok", "gateway_id": self.gateway_id})
-
-    async def readyz(self, request: Request) -> Response:
+    async def readiness(self) -> tuple[bool, dict[str, Any]]:
+        """(ready, detail) for /readyz: connected, the work stream answers, live workers per base."""
         nc, js = self.nc, self.js
         connected = nc is not None and nc.is_connected
         stream = False
@@ -416,93 +305,10 @@ class Gateway:
                 stream = False
         self.stream_ready = stream
         ready = connected and stream
-        detail = {
+        return ready, {
             "ready": ready,
             "gateway_id": self.gateway_id,
             "nats": {"url": self.nats_url, "connected": connected},
             "stream": {"name": self.fleet.queue.stream, "exists": stream},
             "workers": self.workers.live_counts(self.resolver.bases),
         }
-        return JSONResponse(detail, status_code=200 if ready else 503)
-
-    async def metrics_endpoint(self, request: Request) -> Response:
-        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refusing more than `limit` bytes by Content-Length and by what actually arrives."""
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        try:
-            size = int(declared)
-        except ValueError:
-            raise bad_request("invalid_content_length", f"Content-Length {declared!r} is not a number") from None
-        if size > limit:
-            raise _too_large(size, limit)
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(size, limit)
-        chunks.append(chunk)
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
-def _too_large(size: int, limit: int) -> ApiError:
-    return ApiError(413, "body_too_large",
-                    f"the request body has {size} bytes or more; the limit is max_body_bytes={limit}: "
-                    "split the inputs over several requests")
-
-
-async def _http_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, HTTPException)
-    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-    return error_response(exc.status_code, code, f"{request.method} {request.url.path}: {exc.detail}",
-                          dict(exc.headers) if exc.headers else None)
-
-
-def create_app(fleet: FleetConfig, *, nats_url: str | None = None, gateway_id: str | None = None) -> Starlette:
-    """The gateway's Starlette app; `app.state.gateway` is its Gateway (resolver, metrics, …)."""
-    gateway = Gateway(fleet, nats_url=nats_url, gateway_id=gateway_id)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        await gateway.start()
-        try:
-            yield
-        finally:
-            await gateway.stop()
-
-    routes = [
-        HttpRoute("/v1/embeddings", gateway.embeddings, methods=["POST"]),
-        HttpRoute("/v1/encode/{model}", gateway.encode, methods=["POST"]),
-        HttpRoute("/v1/models", gateway.models, methods=["GET"]),
-        HttpRoute("/healthz", gateway.healthz, methods=["GET"]),
-        HttpRoute("/readyz", gateway.readyz, methods=["GET"]),
-        HttpRoute("/metrics", gateway.metrics_endpoint, methods=["GET"]),
-    ]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error})
-    app.state.gateway = gateway
-    return app
-
-
-def uvicorn_config(app: Starlette, host: str, port: int, log_level: str = "warning") -> Any:
-    import uvicorn
-
-    # One process, uvloop + httptools, no access log: every microsecond on the request path counts.
-    return uvicorn.Config(app, host=host, port=port, loop="uvloop", http="httptools", lifespan="on",
-                          access_log=False, log_level=log_level, server_header=False, workers=1)
-
-
-def run_gateway(fleet: FleetConfig, *, nats_url: str | None = None, host: str | None = None,
-                port: int | None = None, gateway_id: str | None = None, log_level: str = "warning") -> None:
-    """Serve the gateway until SIGINT/SIGTERM (blocking)."""
-    import uvicorn
-
-    host = host or fleet.gateway.host
-    port = fleet.gateway.port if port is None else port
-    app = create_app(fleet, nats_url=nats_url, gateway_id=gateway_id)
-    gw: Gateway = app.state.gateway
-    log.info("gateway %s on http://%s:%d, NATS %s", gw.gateway_id, host, port, gw.nats_url)
-    uvicorn.Server(uvicorn_config(app, host, port, log_level)).run()

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from lorafleet.config import ConfigError, FleetConfig, ServedModel
+from lorafleet.config import ConfigError, FleetConfig, ServedModel, check_served_models
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,12 +39,10 @@ class Resolver:
 
     def set_models(self, models: Iterable[ServedModel]) -> None:
         """Replace every adapter route; base names always stay. Raises ConfigError, changing nothing."""
+        models = list(models)
+        check_served_models(self._bases, models)
         routes = {b: Route(name=b, base=b) for b in self._bases}
         for m in models:
-            if m.base not in routes or routes[m.base].adapter is not None:
-                raise ConfigError(f"served model {m.name!r} names base {m.base!r}, not among bases {list(self._bases)}")
-            if m.name in routes:
-                raise ConfigError(f"served name {m.name!r} is used twice")
             routes[m.name] = Route(name=m.name, base=m.base, adapter=m.resolved_adapter_id, adapter_uri=m.adapter)
         self._routes = routes  # one assignment: readers see the old table or the new one
 

@@ -1,19 +1,26 @@
 """lorafleet.sidecar: the runtime-agnostic worker.
 
-Workers pull tasks from the JetStream work queue, group them by (base model, adapter), form
-batches under a token budget, run a runtime (a plugin behind `runtime.Runtime`), reply over core
-NATS and then ack. Start one with `python -m lorafleet.sidecar --fleet FLEET.yaml` or
-`run_worker(fleet)`.
+A worker pulls tasks from the JetStream work queue (one durable consumer per base model, shared
+by all its workers), forms its own batches under a token budget, runs a runtime (a plugin behind
+`runtime.Runtime`, found by name through the entry-point group `lorafleet.runtimes`), replies to
+the gateway's inbox with a receipt and then settles the task by the ack table.
+
+Modules: worker (process entry, main-thread compute), connection (NATS side in a background
+thread), scheduler (when and what to pull), batcher, pull (fetch steps, arrival rate, batch time),
+settle (replies and acks), acks (the table), adapters (per-base adapter LRU), runtime (the plugin
+interface), st_runtime (the sentence-transformers runtime).
+
+Public API:
+    run_worker(fleet, nats_url=None, worker_id=None, bases=None) -> exit code   (main thread only)
+    Runtime, runtime_class(name), create_runtime(spec, device)                  (the runtime plugin interface)
+Start one with `python -m lorafleet.sidecar --fleet FLEET.yaml`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from lorafleet.sidecar.worker import run_worker
-
-__all__ = ["run_worker"]
+__all__ = ["Runtime", "create_runtime", "run_worker", "runtime_class"]
 
 
 def __getattr__(name: str) -> Any:
@@ -22,4 +29,8 @@ def __getattr__(name: str) -> Any:
         from lorafleet.sidecar.worker import run_worker
 
         return run_worker
+    if name in ("Runtime", "create_runtime", "runtime_class"):
+        from lorafleet.sidecar import runtime
+
+        return getattr(runtime, name)
     raise AttributeError(name)

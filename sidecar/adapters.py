@@ -1,64 +1,20 @@
-"""Adapter sources and the per-base LRU of loaded adapters.
+"""The per-base LRU of loaded adapters on one runtime.
 
-`resolve_adapter_uri` turns an adapter URI into a local peft directory. Plain paths and
-`file://` work today; other schemes (MLflow `models:/name/3`, `mlflow-artifacts:/…`) plug in
-with `register_adapter_scheme` — that is the extension point for the registry.
+URIs are resolved by the core adapter-source contract (`lorafleet.adapters.resolve_adapter_uri`:
+plain paths, `file://`, and plugin schemes such as the registry's `models:`).
 """
 
 from __future__ import annotations
 
 import logging
-import re
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
 
-from lorafleet.sidecar.runtime import AdapterUnavailable, Runtime
+from lorafleet.adapters import AdapterUnavailable, resolve_adapter_uri
+from lorafleet.sidecar.runtime import Runtime
 
 log = logging.getLogger(__name__)
-
-AdapterResolver = Callable[[str], Path]
-_SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):")
-_RESOLVERS: dict[str, AdapterResolver] = {}
-ADAPTER_FILES = ("adapter_config.json",)
-
-
-def register_adapter_scheme(scheme: str, resolver: AdapterResolver) -> None:
-    """Make `scheme:` URIs loadable: `resolver(uri)` returns a local peft directory (downloading if it must)."""
-    _RESOLVERS[scheme.lower()] = resolver
-
-
-def _file_uri(uri: str) -> Path:
-    return Path(unquote(urlsplit(uri).path))
-
-
-register_adapter_scheme("file", _file_uri)
-
-
-def resolve_adapter_uri(uri: str) -> Path:
-    """A local directory holding a peft adapter; AdapterUnavailable (a permanent failure) otherwise."""
-    if not uri:
-        raise AdapterUnavailable("empty adapter URI")
-    m = _SCHEME_RE.match(uri)
-    if m:
-        scheme = m.group(1).lower()
-        resolver = _RESOLVERS.get(scheme)
-        if resolver is None:
-            raise AdapterUnavailable(
-                f"no resolver for adapter URI scheme '{scheme}:' ({uri}); known: {sorted(_RESOLVERS)} "
-                "(add one with lorafleet.sidecar.adapters.register_adapter_scheme)"
-            )
-        path = resolver(uri)
-    else:
-        path = Path(uri)
-    path = path.expanduser()
-    if not path.is_dir():
-        raise AdapterUnavailable(f"adapter directory {path} does not exist (from {uri})")
-    for name in ADAPTER_FILES:
-        if not (path / name).is_file():
-            raise AdapterUnavailable(f"adapter directory {path} has no {name} (not a peft adapter)")
-    return path.resolve()
 
 
 class LruSet:

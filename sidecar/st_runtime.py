@@ -6,12 +6,15 @@ import json
 import logging
 import warnings
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 
+from lorafleet.adapters import AdapterUnavailable
 from lorafleet.config import BaseModelSpec
 from lorafleet.models import resolve_model_source
-from lorafleet.sidecar.runtime import AdapterUnavailable
+from lorafleet.sidecar.runtime import Runtime
+from lorafleet.wire import EMBED
 
 log = logging.getLogger(__name__)
 
@@ -24,8 +27,11 @@ def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-class SentenceTransformerRuntime:
-    """Implements `runtime.Runtime` on a SentenceTransformer; adapters via its peft integration."""
+class SentenceTransformerRuntime(Runtime):
+    """The embed capability on a SentenceTransformer; adapters via its peft integration (plugin name
+    `sentence-transformers`)."""
+
+    capabilities: ClassVar[frozenset[str]] = frozenset({EMBED})
 
     def __init__(self, spec: BaseModelSpec, device: str = "cpu") -> None:
         from sentence_transformers import SentenceTransformer, models

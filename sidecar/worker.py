@@ -20,12 +20,15 @@ from typing import Any
 
 import numpy as np
 
+from lorafleet.adapters import AdapterUnavailable
 from lorafleet.config import ConfigError, FleetConfig, ServingProfile
+from lorafleet.fleet_state import by_adapter_id
 from lorafleet.sidecar.acks import Situation
 from lorafleet.sidecar.adapters import AdapterCache
 from lorafleet.sidecar.batcher import Batch
-from lorafleet.sidecar.loop import NatsSide, Outcome
-from lorafleet.sidecar.runtime import AdapterUnavailable, Runtime, create_runtime
+from lorafleet.sidecar.connection import NatsSide
+from lorafleet.sidecar.runtime import Runtime, create_runtime, needs
+from lorafleet.sidecar.settle import Outcome
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +61,6 @@ class FleetLookup:
 
     def apply_fleet_state(self, table: dict[str, Any]) -> None:
         """Promoted bundles from the fleet KV bucket: adapter id → URI and serving profile (one swap)."""
-        from lorafleet.registry.fleet_state import by_adapter_id
-
         self.served = {**self._static, **by_adapter_id(table.values())}
 
     def profile_for(self, base: str, adapter: str | None) -> ServingProfile:
@@ -157,9 +158,6 @@ def run_worker(fleet: FleetConfig, *, nats_url: str | None = None, worker_id: st
     serve = select_bases(fleet, bases)
     lookup = FleetLookup(fleet)
     side = NatsSide(fleet, nats_url or fleet.nats_url, worker_id, serve, lookup.profile_for)
-    from lorafleet.registry.uri import install_sidecar_scheme
-
-    install_sidecar_scheme()  # adapter URIs models:/NAME/N: fetched from MLflow, sha256-checked, cached
     side.on_fleet_state = lookup.apply_fleet_state
     signals = {"count": 0}
 
@@ -186,7 +184,8 @@ def _serve(fleet: FleetConfig, side: NatsSide, serve: list[str], lookup: FleetLo
     try:
         for name in serve:
             t0 = time.perf_counter()
-            runtimes[name] = create_runtime(fleet.base(name), fleet.worker)
+            runtimes[name] = create_runtime(fleet.base(name), fleet.worker.device)
+            needs(runtimes[name])  # this pull loop serves the embed capability
             log.info("base %s ready in %.1fs", name, time.perf_counter() - t0)
     except Exception as exc:
         log.error("loading base models failed: %s", exc, exc_info=True)

@@ -11,10 +11,13 @@ from typing import Any
 import yaml
 
 from lorafleet import settings
+from lorafleet.device import resolve_device
+from lorafleet.metrics import flatten_params, mlflow_metrics, prefixed
+from lorafleet.tasks import TrainResult
 from lorafleet.train.config import TrainConfig
 from lorafleet.train.dataset import RetrievalDataset, build_dataset
 from lorafleet.train.evaluate import METRICS, BM25Evaluator, DenseEvaluator
-from lorafleet.train.trainer import CostMeter, TrainResult, load_base_model, resolve_device, train_adapter
+from lorafleet.train.trainer import CostMeter, load_base_model, train_adapter
 
 log = logging.getLogger("lorafleet.train")
 
@@ -22,33 +25,8 @@ EXPERIMENT = "lorafleet-train"
 HEADLINE = "test_ndcg@10"
 
 
-def mlflow_metric_name(name: str) -> str:
-    """MLflow refuses '@' in metric names: `test_ndcg@10` is logged as `test_ndcg_at_10`."""
-    return name.replace("@", "_at_")
-
-
-def mlflow_metrics(metrics: dict[str, float], prefix: str = "") -> dict[str, float]:
-    """`metrics` with MLflow-safe names; NaN values (not loggable) left out."""
-    return {mlflow_metric_name(prefix + k): float(v) for k, v in metrics.items() if v == v}
-
-
 def default_out_dir() -> Path:
     return settings.home() / "runs" / time.strftime("train-%Y%m%d-%H%M%S")
-
-
-def flat_params(cfg: TrainConfig) -> dict[str, str]:
-    """The config as flat `a.b` keys with string values (MLflow params)."""
-    out: dict[str, str] = {}
-
-    def walk(prefix: str, value: Any) -> None:
-        if isinstance(value, dict):
-            for k, v in value.items():
-                walk(f"{prefix}{k}.", v)
-        else:
-            out[prefix[:-1]] = ",".join(map(str, value)) if isinstance(value, list) else str(value)
-
-    walk("", cfg.model_dump())
-    return out
 
 
 def baselines(cfg: TrainConfig, dataset: RetrievalDataset) -> dict[str, float]:
@@ -62,7 +40,7 @@ def baselines(cfg: TrainConfig, dataset: RetrievalDataset) -> dict[str, float]:
     base = DenseEvaluator(dataset, cfg.eval_batch_size).evaluate(model, ["dev", "test"])
     log.info("base: dev_ndcg@10 %.4f  test_ndcg@10 %.4f  (%.0f s)", base["dev_ndcg@10"], base["test_ndcg@10"],
              time.perf_counter() - t0)
-    return {**{f"base_{k}": v for k, v in base.items()}, **{f"bm25_{k}": v for k, v in bm25.items()}}
+    return {**prefixed(base, "base"), **prefixed(bm25, "bm25")}
 
 
 def relative_lift(metrics: dict[str, float], split: str = "test", metric: str = "ndcg@10") -> float:
@@ -156,7 +134,7 @@ def run_train(
         if run_ctx is not None:
             import mlflow
 
-            mlflow.log_params(flat_params(cfg))
+            mlflow.log_params(flatten_params(cfg.model_dump(mode="json")))
             _log_dataset(dataset)
             mlflow.log_metrics(mlflow_metrics(dataset.summary(), "dataset_"))
         base = baselines(cfg, dataset)

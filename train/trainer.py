@@ -8,32 +8,18 @@ import math
 import resource
 import shutil
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from lorafleet.config import ConfigError
+from lorafleet.device import resolve_device
 from lorafleet.models import resolve_model_source
+from lorafleet.tasks import EpochCallback, TrainResult
 from lorafleet.train.config import TrainConfig
 from lorafleet.train.dataset import RetrievalDataset
 from lorafleet.train.evaluate import DenseEvaluator
 
 log = logging.getLogger("lorafleet.train")
-
-EpochCallback = Callable[[int, dict[str, float]], None]
-
-
-@dataclass
-class TrainResult:
-    adapter_dir: Path
-    metrics: dict[str, float]  # flat, stable names: dev_ndcg@10, test_ndcg@10, base_test_ndcg@10, …
-    epochs: list[dict[str, float]]  # per epoch: epoch, train_loss, dev_* metrics
-    cost: dict[str, float]  # wall_s, cpu_s, peak_rss_mb, usd
-    dataset_digest: str
-    report_path: Path | None = None
-    extras: dict[str, Any] = field(default_factory=dict)
-
 
 class CostMeter:
     """Wall and CPU seconds since creation, the process's peak RSS, and dollars at a price per hour."""
@@ -57,16 +43,6 @@ class CostMeter:
             "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
             "usd": round(wall / 3600 * self.price, 5),
         }
-
-
-def resolve_device(device: str) -> str:
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"device={device!r} but no CUDA device is available; use 'auto' or 'cpu'")
-    return device
 
 
 def load_base_model(base_model: str, device: str = "cpu", max_seq_length: int | None = None) -> Any:

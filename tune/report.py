@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 if TYPE_CHECKING:
-    from lorafleet.tune.run import TuneConfig, TuneResult, TuneSource
+    from lorafleet.tune.config import TuneConfig
+    from lorafleet.tune.source import TuneSource
+    from lorafleet.tune.sweep import TuneResult
 
 PROFILE_FILE = "profile.yaml"
 CSV_FILE = "results.csv"

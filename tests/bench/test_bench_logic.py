@@ -55,8 +55,14 @@ def test_push_router_never_picks_the_most_loaded_worker(algorithm: str) -> None:
     assert to_w3 == 300 if algorithm == "lor" else 170 < to_w3 < 230  # P2C: w3 is in 2 of the 3 pairs
 
 
-def test_synthetic_runtime_costs_a_plus_b_n() -> None:
-    rt = SyntheticRuntime(10.0, 2.0, slowdown=3.0)
+def test_synthetic_runtime_costs_a_plus_b_n(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lorafleet.config import BaseModelSpec
+    from lorafleet.sidecar.runtime import runtime_class
+
+    monkeypatch.setenv("LORAFLEET_SYNTH_SLOWDOWN", "3")
+    spec = BaseModelSpec(name="m", runtime="synthetic", options={"a_ms": 10, "b_ms": 2})
+    assert runtime_class("synthetic") is SyntheticRuntime  # registered as a plugin, like any runtime
+    rt = SyntheticRuntime(spec)
     assert rt.cost_s(4) == pytest.approx(3 * (10 + 8) / 1000)
     out = rt.encode(["a", "b"], None)
     assert out.shape == (2, rt.dim)

@@ -16,8 +16,8 @@ import msgpack
 import numpy as np
 import pytest
 
+from lorafleet.cluster import LocalCluster
 from lorafleet.config import BaseModelSpec, FleetConfig, QueueConfig, ServedModel
-from lorafleet.serve.cluster import LocalCluster
 
 pytestmark = pytest.mark.integration
 

@@ -1,7 +1,8 @@
-"""The user's path end to end, with nothing faked: a research run on a small budget → its winner tuned and
-registered as `candidate` in a real MLflow store → `promote` onto a real local cluster (nats-server,
-gateway, worker, packaged all-MiniLM-L6-v2) → the promoted name serves the adapter's embeddings →
-a second version promoted and rolled back live while a client sends steady traffic, none of which fails."""
+"""The user's path end to end, with nothing faked, through the pipeline module the CLI uses: a research run
+on a small budget → its winner tuned and registered as `candidate` in a real MLflow store → `promote` onto
+a real local cluster (nats-server, gateway, worker, packaged all-MiniLM-L6-v2) → the promoted name serves
+the adapter's embeddings → a second version promoted and rolled back live while a client sends steady
+traffic, none of which fails."""
 
 from __future__ import annotations
 
@@ -109,25 +110,30 @@ class SteadyClient:
 def test_research_ship_promote_rollback(tmp_path: Path, minilm_path: Path) -> None:
     from sentence_transformers import SentenceTransformer
 
+    from lorafleet import pipeline
     from lorafleet.cli import app
+    from lorafleet.cluster import LocalCluster
     from lorafleet.nats_server import free_port
-    from lorafleet.registry import promote as prom
     from lorafleet.registry import store
     from lorafleet.registry.bundle import read_spec
-    from lorafleet.registry.ship import ship_research_result
     from lorafleet.research.config import load_config
-    from lorafleet.research.runner import run_research
-    from lorafleet.serve.cluster import LocalCluster
     from lorafleet.testing import make_random_adapter
 
-    # 1. Research on a small budget, then the ship step: quick tune + register as 'candidate'.
+    # 1. The pipeline: research on a small budget, then the ship step (quick tune + register as 'candidate').
     cfg_path = tmp_path / "research.yaml"
     cfg_path.write_text(yaml.safe_dump(research_config(minilm_path)))
-    result = run_research(load_config(cfg_path), progress_live=False)
-    assert result.winner_adapter_dir and result.finalized
-    # One short trial on 64 queries may or may not beat the base model; the serving path is what is
-    # tested here, so the winner is shipped either way (the research verdict is checked by research's tests).
-    shipped = ship_research_result(result, name=NAME, tune_quick=True, require_candidate=False)
+    seen: list[object] = []
+    out = pipeline.run(load_config(cfg_path), progress_live=False, tune_quick=True, on_researched=seen.append)
+    result = out.research
+    assert seen == [result] and result.winner_adapter_dir and result.finalized and result.task == "retrieval"
+    # One short trial on 64 queries may or may not beat the base model. The pipeline ships only a candidate;
+    # the serving path is what is tested here, so a non-candidate winner is shipped by hand, as a user can.
+    if result.candidate:
+        assert out.shipped is not None and out.shipped.ref == (result.study, "1")
+        assert store.get_version(result.study, "candidate").tags["lorafleet.task"] == "retrieval"
+    else:
+        assert out.shipped is None
+    shipped = pipeline.ship(result, name=NAME, tune_quick=True, require_candidate=False)
     assert shipped is not None and shipped.ref == (NAME, "1") and shipped.profile_source == "tuned"
     v1 = store.get_version(NAME, "candidate")
     assert v1.version == "1" and v1.run_id == result.parent_run_id
@@ -138,7 +144,7 @@ def test_research_ship_promote_rollback(tmp_path: Path, minilm_path: Path) -> No
     assert "report/results.json" in spec.files and "report/report.md" in spec.files
 
     # Shipping the same winner again (a resumed run finalizing twice) registers nothing new.
-    again = ship_research_result(result, name=NAME, tune_quick=True, require_candidate=False)
+    again = pipeline.ship(result, name=NAME, tune_quick=True, require_candidate=False)
     assert again is not None and again.ref == (NAME, "1") and again.profile == shipped.profile
     assert [i.version for i in store.versions(NAME)] == ["1"]
 
@@ -164,25 +170,25 @@ def test_research_ship_promote_rollback(tmp_path: Path, minilm_path: Path) -> No
         assert r.status_code == 404
 
         runner = CliRunner()
-        out = runner.invoke(app, ["promote", NAME, "--version", "1", *([] if result.candidate else ["--force"])])
-        assert out.exit_code == 0, out.output
+        cli = runner.invoke(app, ["promote", NAME, "--version", "1", *([] if result.candidate else ["--force"])])
+        assert cli.exit_code == 0, cli.output
         assert store.alias_version(NAME, "champion") == "1"
         wait_serving(url, refs["1"])
         assert cosine(embed(url, NAME, SENTENCES), refs["1"]).min() > 0.9999
         assert NAME in {m["id"] for m in httpx.get(f"{url}/v1/models", timeout=10).json()["data"]}
 
         # The gate refuses v2 (no test metrics) and says why; nothing changes.
-        out = runner.invoke(app, ["promote", NAME, "--version", "2"])
-        assert out.exit_code == 1 and "fails the quality gate" in out.output and "no test_ndcg@10" in out.output
+        cli = runner.invoke(app, ["promote", NAME, "--version", "2"])
+        assert cli.exit_code == 1 and "fails the quality gate" in cli.output and "no test_ndcg@10" in cli.output
         assert store.alias_version(NAME, "champion") == "1"
 
         # 3. Live switch and rollback under steady traffic: no request fails.
         with SteadyClient(url) as client:
             time.sleep(1.0)
-            prom.promote(NAME, "2", force=True)
+            pipeline.promote(NAME, "2", force=True)
             wait_serving(url, refs["2"])
             time.sleep(0.5)
-            assert prom.rollback(NAME).version == "1"
+            assert pipeline.rollback(NAME).version == "1"
             wait_serving(url, refs["1"])
             time.sleep(0.5)
         failed = [(s, t) for s, _, _, t in client.answers if s != 200]

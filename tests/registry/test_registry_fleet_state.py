@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from lorafleet.config import ServedModel, ServingProfile
-from lorafleet.registry.fleet_state import (
+from lorafleet.fleet_state import (
     FleetEntry,
     FleetWatcher,
     by_adapter_id,

@@ -1,4 +1,4 @@
-"""The promotion gate as pure logic: champion, base + margin, missing metrics."""
+"""The promotion gate as pure logic: champion, base + relative margin, missing metrics (task kind: retrieval)."""
 
 from __future__ import annotations
 
@@ -24,12 +24,15 @@ def test_fails_below_champion_by_how_much() -> None:
     gate = check_gate(_v("3", 0.47), _v("2", 0.50), margin=0.0)
     assert not gate.ok
     assert gate.reasons == ["test_ndcg@10 0.4700 is 0.0300 below the champion v2's 0.5000"]
+    assert gate.metric == "test_ndcg@10"  # the retrieval kind's headline: no metric name is a constant here
 
 
-def test_fails_below_base_plus_margin() -> None:
-    gate = check_gate(_v("1", 0.42), None, margin=0.05)
+def test_fails_below_base_plus_relative_margin() -> None:
+    assert check_gate(_v("1", 0.42), None, margin=0.05).ok  # 0.40 × 1.05 = 0.42: exactly enough
+    gate = check_gate(_v("1", 0.42), None, margin=0.10)
     assert not gate.ok
-    assert gate.reasons == ["test_ndcg@10 0.4200 is 0.0300 below the base model's 0.4000 + margin 0.0500"]
+    assert gate.reasons == ["test_ndcg@10 0.4200 is 0.0200 below what it needs: the base model's 0.4000 and a "
+                            "relative margin of 10.0% (0.4400)"]
 
 
 def test_same_version_as_champion_is_not_compared_with_itself() -> None:
@@ -37,5 +40,5 @@ def test_same_version_as_champion_is_not_compared_with_itself() -> None:
 
 
 def test_missing_metrics_fail() -> None:
-    assert "has no test_ndcg@10 tag" in check_gate(_v("1", None), None, 0.0).reasons[0]
-    assert "has no base_test_ndcg@10 tag" in check_gate(_v("1", 0.5, base=None), None, 0.0).reasons[0]
+    assert "has no test_ndcg@10 recorded" in check_gate(_v("1", None), None, 0.0).reasons[0]
+    assert "has no base_test_ndcg@10 recorded" in check_gate(_v("1", 0.5, base=None), None, 0.0).reasons[0]

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from lorafleet.config import BaseModelSpec, FleetConfig
+from lorafleet.fleet_state import FleetEntry, FleetStateError, ensure_fleet_bucket, read_entries
 from lorafleet.registry import promote as prom
 from lorafleet.registry import store
-from lorafleet.registry.fleet_state import FleetEntry, FleetStateError, ensure_fleet_bucket, read_entries
 
 pytestmark = pytest.mark.integration
 
@@ -66,9 +66,10 @@ def test_promote_gate_rollback(nats_server, fleet_file: Path, tiny_adapter: Path
         prom.promote("legal", "3", nats_url=url, fleet_file=fleet_file)
     assert store.alias_version("legal", "champion") == "2"
     assert asyncio.run(_kv(url, create=False))["legal"].version == "2"
-    # A margin the version cannot reach over the base.
-    with pytest.raises(prom.PromotionError, match=r"below the base model's 0\.3000 \+ margin 0\.5000"):
-        prom.promote("legal", "2", margin=0.5, nats_url=url, fleet_file=fleet_file)
+    # A relative margin the version cannot reach over the base (0.30 × 1.6 = 0.48 > 0.45).
+    with pytest.raises(prom.PromotionError, match=r"below what it needs: the base model's 0\.3000 and a relative "
+                                                  r"margin of 60\.0% \(0\.4800\)"):
+        prom.promote("legal", "2", margin=0.6, nats_url=url, fleet_file=fleet_file)
     # --force skips the gate.
     out = prom.promote("legal", "3", force=True, nats_url=url, fleet_file=fleet_file)
     assert out.previous == "2" and store.alias_version("legal", "champion") == "3"

@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 
 from lorafleet.config import ServingProfile
+from lorafleet.refs import parse_models_uri
 from lorafleet.registry import store
 from lorafleet.registry.bundle import BundleIntegrityError, read_spec
-from lorafleet.registry.uri import parse_models_uri, resolve_models_uri
+from lorafleet.registry.uri import resolve_models_uri
 
 pytestmark = pytest.mark.integration  # real MLflow store
 
@@ -49,8 +50,8 @@ def test_register_alias_list_download(tmp_path: Path, tiny_adapter: Path, tiny_m
     assert store.download_bundle("legal", "2", tmp_path / "dl") == path
 
     # The worker-side resolver: models:/ URIs land in LORAFLEET_HOME/bundles and are cached.
-    assert parse_models_uri("models:/legal/v2") == ("legal", "2")
-    assert parse_models_uri("models:/legal@champion") == ("legal", "champion")
+    assert parse_models_uri("models:/legal/v2")[:2] == ("legal", "2")
+    assert parse_models_uri("models:/legal@champion").ref == "champion"
     adapter = resolve_models_uri("models:/legal/1")
     assert adapter == store.bundle_cache_dir("legal", "1") / "adapter"
     assert (adapter / "adapter_config.json").is_file()
@@ -69,7 +70,7 @@ def test_tampered_store_copy_is_refused(tmp_path: Path, tiny_adapter: Path, tiny
     stored.unlink()
     with pytest.raises(BundleIntegrityError, match=r"missing adapter/adapter_model\.safetensors"):
         store.download_bundle(*ref, tmp_path / "dl")
-    from lorafleet.sidecar.runtime import AdapterUnavailable
+    from lorafleet.adapters import AdapterUnavailable
 
     with pytest.raises(AdapterUnavailable, match="missing"):
         resolve_models_uri(f"models:/{ref.name}/{ref.version}")

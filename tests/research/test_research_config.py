@@ -19,7 +19,7 @@ from lorafleet.config import ConfigError
 from lorafleet.research.config import ResearchConfig, apply_params, from_raw, load_config, space_fingerprint
 from lorafleet.research.finalize import _verdict
 from lorafleet.research.progress import Progress
-from lorafleet.research.runner import ResearchResult
+from lorafleet.research.result import ResearchResult
 from lorafleet.research.study import _worker_alive, counted_trials, open_study, suggest, worker_id
 from lorafleet.train import TrainConfig
 
@@ -52,7 +52,7 @@ def test_repo_config_loads() -> None:
 ])
 def test_bad_research_config_is_a_clear_error(research: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        from_raw({}, research, "cfg", TrainConfig)
+        from_raw({}, research, "cfg")
 
 
 def test_nested_space_and_categorical_lists_round_trip() -> None:
@@ -93,7 +93,7 @@ def _result(winner: dict[str, float], reseed: dict[str, float]) -> ResearchResul
 def test_verdict_needs_every_seed_over_the_margin(winner: dict[str, float], reseed: dict[str, float], margin: float,
                                                   candidate: bool) -> None:
     baseline = {"base_dev_ndcg@10": 0.5, "base_test_ndcg@10": 0.5}
-    ok, text = _verdict(margin, "dev_ndcg@10", baseline, _result(winner, reseed))
+    ok, text = _verdict(margin, "dev_ndcg@10", "maximize", baseline, _result(winner, reseed))
     assert ok is candidate
     assert text.startswith("candidate" if candidate else "no candidate")
 

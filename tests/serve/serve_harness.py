@@ -21,7 +21,8 @@ from lorafleet import wire
 from lorafleet.config import FleetConfig, GatewayConfig, QueueConfig, ServedModel
 from lorafleet.nats_server import free_port
 from lorafleet.queue import ensure_consumer, ensure_streams
-from lorafleet.serve.gateway import Gateway, create_app, uvicorn_config
+from lorafleet.serve.gateway import Gateway
+from lorafleet.serve.routes import create_app, uvicorn_config
 
 BASE = "all-MiniLM-L6-v2"
 

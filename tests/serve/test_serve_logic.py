@@ -11,8 +11,8 @@ import pytest
 from lorafleet import wire
 from lorafleet.config import ConfigError, FleetConfig, ServedModel
 from lorafleet.serve.auth import ApiKeys, load_api_keys
+from lorafleet.serve.bases import native_dim
 from lorafleet.serve.errors import ApiError, worker_error
-from lorafleet.serve.gateway import native_dim
 from lorafleet.serve.parsing import deadline_seconds, parse_embeddings, parse_encode
 from lorafleet.serve.pending import COMPLETE, DUPLICATE, FAILED, FILLED, LATE, MALFORMED, TIMEOUT, PendingTable
 from lorafleet.serve.resolver import Resolver, Route

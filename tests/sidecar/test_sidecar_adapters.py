@@ -7,12 +7,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lorafleet.sidecar.adapters import AdapterCache, LruSet, register_adapter_scheme, resolve_adapter_uri
-from lorafleet.sidecar.runtime import AdapterUnavailable, Runtime
+from lorafleet.adapters import AdapterUnavailable, register_adapter_scheme, resolve_adapter_uri
+from lorafleet.sidecar.adapters import AdapterCache, LruSet
+from lorafleet.sidecar.runtime import Runtime
 
 
-class RecordingRuntime:
-    dim = 2
+class RecordingRuntime(Runtime):
+    capabilities = frozenset({"embed"})
+
+    @property
+    def dim(self) -> int:
+        return 2
 
     def __init__(self) -> None:
         self.events: list[tuple[str, str]] = []
@@ -36,8 +41,14 @@ class RecordingRuntime:
         pass
 
 
-def test_fake_runtime_satisfies_protocol() -> None:
-    assert isinstance(RecordingRuntime(), Runtime)
+def test_runtime_plugins_are_found_by_name_and_checked() -> None:
+    from lorafleet.plugins import PluginError
+    from lorafleet.sidecar.runtime import runtime_class
+    from lorafleet.sidecar.st_runtime import SentenceTransformerRuntime
+
+    assert runtime_class("sentence-transformers") is SentenceTransformerRuntime
+    with pytest.raises(PluginError, match=r"unknown runtime 'nope'; known: sentence-transformers, synthetic"):
+        runtime_class("nope")
 
 
 def test_lru_set_evicts_least_recently_used() -> None:
@@ -85,7 +96,7 @@ def test_resolve_errors_name_the_problem(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(AdapterUnavailable, match=r"adapter_config\.json"):
         resolve_adapter_uri(str(tmp_path / "empty"))
-    with pytest.raises(AdapterUnavailable, match="register_adapter_scheme"):
+    with pytest.raises(AdapterUnavailable, match=r"known: \['file', 'models'\].*lorafleet\.adapter_sources"):
         resolve_adapter_uri("nosuchscheme:/name/3")
 
 

@@ -8,9 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from lorafleet.adapters import AdapterUnavailable
 from lorafleet.config import BaseModelSpec
 from lorafleet.sidecar.adapters import AdapterCache
-from lorafleet.sidecar.runtime import AdapterUnavailable, Runtime
+from lorafleet.sidecar.runtime import Runtime
 from lorafleet.sidecar.st_runtime import SentenceTransformerRuntime
 
 TEXTS = ["Der Käufer ist verpflichtet, den Kaufpreis zu zahlen.", "kurz", "The quick brown fox jumps over the dog."]

@@ -68,7 +68,7 @@ def test_short_run_logged_to_mlflow(tmp_path: Path) -> None:
         "--set", "data.max_chunks_per_section=2",
     )
     assert result.exit_code == 0, result.output
-    assert "test nDCG@10: bm25" in result.output
+    assert "test nDCG@10: BM25" in result.output
 
     saved = json.loads((out / "metrics.json").read_text())
     metrics = saved["metrics"]
@@ -90,7 +90,7 @@ def test_short_run_logged_to_mlflow(tmp_path: Path) -> None:
     assert run["metrics.test_ndcg_at_10"] == pytest.approx(metrics["test_ndcg@10"])
     assert run["metrics.base_test_ndcg_at_10"] == pytest.approx(metrics["base_test_ndcg@10"])
     assert run["metrics.bm25_dev_map_at_100"] == pytest.approx(metrics["bm25_dev_map@100"])
-    assert run["params.lora.r"] == "16" and run["params.data.laws"] == "kschg,prodhaftg"
+    assert run["params.lora.r"] == "16" and run["params.data.laws"] == '["kschg", "prodhaftg"]'  # JSON, as research logs it
     assert run["tags.dataset_digest"] == saved["dataset_digest"]
 
     client = mlflow.MlflowClient()

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from lorafleet.config import ServingProfile
-from lorafleet.tune.run import TuneError, resolve_source
+from lorafleet.pipeline import resolve_tune_source as resolve_source
+from lorafleet.tune.config import TuneError
 
 pytestmark = pytest.mark.integration  # real MLflow store
 

@@ -1,7 +1,8 @@
-"""The `lorafleet` command. Thin: each command parses its arguments and calls one stage's API.
+"""The `lorafleet` command: the top layer. Thin: each command parses its arguments and calls the
+pipeline's or one stage's public API, and turns their errors into a message and an exit code.
 
-Stages register their commands here; heavy imports (torch, mlflow) stay inside the commands so
-that `lorafleet --help` answers at once.
+Commands live in one module per area (serve, train, research, tune, registry); heavy imports
+(torch, mlflow) stay inside the commands so that `lorafleet --help` answers at once.
 """
 
 from __future__ import annotations
@@ -33,22 +34,10 @@ def _root(
 
 
 def _register() -> None:
-    # Each stage owns its commands (in <stage>/cli.py) and adds them to `app` here.
-    from lorafleet.serve import cli as serve_cli
+    from lorafleet.cli import registry, research, serve, train, tune
 
-    serve_cli.register(app)
-    from lorafleet.train import cli as train_cli
-
-    train_cli.register(app)
-    from lorafleet.research import cli as research_cli
-
-    research_cli.register(app)
-    from lorafleet.tune import cli as tune_cli
-
-    tune_cli.register(app)
-    from lorafleet.registry import cli as registry_cli
-
-    registry_cli.register(app)
+    for module in (serve, train, research, tune, registry):
+        module.register(app)
 
 
 _register()

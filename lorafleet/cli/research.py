@@ -1,8 +1,9 @@
-"""`lorafleet research run|resume`: thin wrappers over `run_research`."""
+"""`lorafleet research run|resume`: thin wrappers over `lorafleet.pipeline.run` / `resume`."""
 
 from __future__ import annotations
 
-import sys
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import typer
@@ -29,26 +30,32 @@ def _check_limits(trials: int | None, budget_minutes: float | None) -> None:
         _fail(ConfigError(f"--trials must be at least 1, got {trials}"))
 
 
-def _finish(result: object, ship: bool = True, tune_quick: bool = False) -> None:
-    from .report import print_summary
-    from .runner import ResearchResult
+def _say(text: str) -> None:
+    typer.echo(text, err=True)
 
-    assert isinstance(result, ResearchResult)
-    print_summary(result)
-    # The ship step: tune the winner's serving profile, register the bundle, alias "candidate".
-    if ship and result.candidate:
-        from lorafleet.registry.ship import ship_research_result
 
-        try:
-            ship_research_result(result, tune_quick=tune_quick, say=lambda t: typer.echo(t, err=True))
-        except Exception as exc:  # the research result stands; only shipping failed
-            typer.echo(f"error: shipping the winner failed: {type(exc).__name__}: {exc}", err=True)
-            raise typer.Exit(1) from exc
+@contextlib.contextmanager
+def _exits(study: Callable[[], str]) -> Iterator[None]:
+    """The exit codes of a research command: 2 bad config, 1 shipping failed, 130 interrupted."""
+    from lorafleet import pipeline
+    from lorafleet.config import ConfigError
+
+    try:
+        yield
+    except ConfigError as exc:
+        _fail(exc)
+    except pipeline.ShipError as exc:  # the research result stands; only shipping failed
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    except KeyboardInterrupt:
+        typer.echo(f"\ninterrupted; continue with: lorafleet research resume {study()}", err=True)
+        raise typer.Exit(130) from None
 
 
 @research_app.command("run")
 def run_cmd(
-    config: Path = typer.Argument(..., help="YAML with 'train:' and 'research:' sections."),
+    config: Path = typer.Argument(..., help="YAML with 'train:' and 'research:' sections; 'task:' names the task "
+                                  "kind (default retrieval)."),
     trials: int | None = typer.Option(None, "--trials", help="Trials to finish in the study (overrides n_trials)."),
     budget_minutes: float | None = typer.Option(None, "--budget-minutes", help="Wall-clock budget of this run."),
     study: str | None = typer.Option(None, "--study", help="Study name (overrides research.study)."),
@@ -61,33 +68,22 @@ def run_cmd(
                               help="Tune and register a candidate winner (alias 'candidate') at the end."),
     tune_quick: bool = typer.Option(False, "--tune-quick", help="Ship with the quick serving-profile sweep."),
 ) -> None:
-    """Start (or join) a research study and end with the baseline-vs-winner verdict."""
-    from lorafleet.config import ConfigError
-
-    from .config import load_config
-    from .runner import run_research
+    """Start (or join) a research study, end with the baseline-vs-winner verdict, ship a candidate winner."""
+    from lorafleet import pipeline
+    from lorafleet.research.config import load_config
+    from lorafleet.research.report import print_summary
 
     _check_limits(trials, budget_minutes)
     sets = list(overrides)
     if study is not None:
         sets.append(f"research.study={study}")
-    name = study or "NAME"
-    try:
+    name = [study or "NAME"]
+    with _exits(lambda: name[0]):
         loaded = load_config(config, sets)
-        name = loaded.research.study
-        result = run_research(loaded, n_trials=trials, budget_minutes=budget_minutes, storage=storage,
-                              worker_only=worker, progress_live=False if plain else None)
-    except ConfigError as exc:
-        _fail(exc)
-        return
-    except KeyboardInterrupt:
-        _interrupted(name)
-    _finish(result, ship=ship, tune_quick=tune_quick)
-
-
-def _interrupted(study: str) -> None:
-    typer.echo(f"\ninterrupted; continue with: lorafleet research resume {study}", err=True)
-    raise typer.Exit(130)
+        name[0] = loaded.research.study
+        pipeline.run(loaded, n_trials=trials, budget_minutes=budget_minutes, storage=storage, worker_only=worker,
+                     progress_live=False if plain else None, ship_winner=ship, tune_quick=tune_quick,
+                     on_researched=print_summary, say=_say)
 
 
 @research_app.command("resume")
@@ -102,26 +98,18 @@ def resume_cmd(
     tune_quick: bool = typer.Option(False, "--tune-quick", help="Ship with the quick serving-profile sweep."),
 ) -> None:
     """Continue a study after a crash: interrupted trials are failed and their configurations retried."""
-    from lorafleet.config import ConfigError
-
-    from .runner import loaded_from_study, run_research
+    from lorafleet import pipeline
+    from lorafleet.research.report import print_summary
 
     _check_limits(trials, budget_minutes)
-    try:
-        loaded = loaded_from_study(name, storage)
-        result = run_research(loaded, n_trials=trials, budget_minutes=budget_minutes, storage=storage, resume=True,
-                              progress_live=False if plain else None)
-    except ConfigError as exc:
-        _fail(exc)
-        return
-    except KeyboardInterrupt:
-        _interrupted(name)
-    _finish(result, ship=ship, tune_quick=tune_quick)
+    with _exits(lambda: name):
+        pipeline.resume(name, n_trials=trials, budget_minutes=budget_minutes, storage=storage,
+                        progress_live=False if plain else None, ship_winner=ship, tune_quick=tune_quick,
+                        on_researched=print_summary, say=_say)
 
 
 def register(app: typer.Typer) -> None:
     app.add_typer(research_app, name="research")
 
 
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(research_app())
+

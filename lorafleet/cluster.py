@@ -1,12 +1,14 @@
-"""A local cluster on one machine: embedded nats-server, N worker processes and one gateway.
+"""The local process supervisor: embedded nats-server, N worker processes and one gateway on one machine.
 
 Every part runs in its own process group under LORAFLEET_HOME, so `lorafleet down` (or the
-test that started it) stops exactly what it started and nothing else.
+test that started it) stops exactly what it started and nothing else. The CLI (`lorafleet up`),
+tune (a private cluster per sweep), tests and benchmarks drive it through its public methods;
+the parts are started as `python -m lorafleet.sidecar` / `python -m lorafleet.serve`, so this
+core module imports no stage.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -20,9 +22,10 @@ from pathlib import Path
 import httpx
 import yaml
 
-from lorafleet import settings
-from lorafleet.config import FleetConfig
+from lorafleet import heartbeats, settings
+from lorafleet.config import FleetConfig, load_yaml_model
 from lorafleet.nats_server import NatsServer, free_port, port_open
+from lorafleet.queue import queue_depth
 
 STATE_FILE = "cluster.json"
 
@@ -136,8 +139,7 @@ class LocalCluster:
                                    log_file=logs / "nats-server.log").start()
             self.fleet.nats_url = self.nats.url
             self.fleet.gateway.port = self.port
-            fleet_file = self.home / "fleet.yaml"
-            fleet_file.write_text(yaml.safe_dump(self.fleet.model_dump(mode="json"), sort_keys=False))
+            fleet_file = self._write_fleet_file()
             self.state = ClusterState(home=str(self.home), nats_url=self.nats.url, gateway_url=self.gateway_url,
                                       fleet_file=str(fleet_file), pids={"nats-server": self.nats.proc.pid})
             for i in range(self.workers):
@@ -192,6 +194,54 @@ class LocalCluster:
                 pass
             time.sleep(0.2)
         raise ClusterError(f"the cluster was not ready within {timeout:.0f}s; logs are in {self.home / 'logs'}")
+
+    @property
+    def fleet_file(self) -> Path:
+        """The fleet YAML every part of this cluster reads."""
+        assert self.state is not None, "start the cluster first"
+        return Path(self.state.fleet_file)
+
+    def log_path(self, name: str) -> Path:
+        return self.home / "logs" / f"{name}.log"
+
+    def pid(self, name: str) -> int:
+        """The process id (= process group) of a running part: 'gateway', 'worker-1', …"""
+        return self.procs[name].pid
+
+    def part_names(self) -> list[str]:
+        return list(self.procs)
+
+    def exited(self) -> list[tuple[str, int]]:
+        """Parts that have exited since the last call, with their exit codes (forgotten once reported)."""
+        gone = [(name, proc.returncode) for name, proc in self.procs.items() if proc.poll() is not None]
+        for name, _ in gone:
+            self.procs.pop(name)
+        return gone
+
+    def restart_worker(self, name: str, fleet: FleetConfig | None = None, timeout: float = 30.0
+                       ) -> subprocess.Popen[bytes]:
+        """Stop worker `name` (draining), optionally rewrite the fleet file with `fleet`, start it again.
+
+        NATS and the gateway stay up; only settings a worker reads at start (its profile) change.
+        """
+        assert self.state is not None, "start the cluster first"
+        proc = self.procs.pop(name, None)
+        if proc is not None:
+            stop_group(proc.pid, timeout, name)
+        if fleet is not None:
+            self.fleet = fleet.model_copy(update={"nats_url": self.state.nats_url})
+            self._write_fleet_file()
+        return self.start_worker(name)
+
+    def detach(self) -> None:
+        """Forget the running parts: they run on in their own sessions after this process exits."""
+        self.procs.clear()
+        self.nats = None
+
+    def _write_fleet_file(self) -> Path:
+        path = self.home / "fleet.yaml"
+        path.write_text(yaml.safe_dump(self.fleet.model_dump(mode="json"), sort_keys=False))
+        return path
 
     # -- stopping ---------------------------------------------------------------------------
 
@@ -258,32 +308,19 @@ async def collect_status(state: ClusterState, fleet: FleetConfig, listen_s: floa
     """Workers (from their heartbeats), queue depth and consumer lag, read live from NATS."""
     import nats
 
-    from lorafleet.queue import queue_depth
-    from lorafleet.wire import HEARTBEAT_PREFIX, Heartbeat
-
     nc = await nats.connect(state.nats_url, connect_timeout=2, max_reconnect_attempts=0)
-    workers: dict[str, Heartbeat] = {}
-
-    async def on_hb(msg) -> None:  # type: ignore[no-untyped-def]
-        with contextlib.suppress(Exception):
-            hb = Heartbeat.from_wire(msg.data)
-            workers[hb.worker] = hb
-
-    sub = await nc.subscribe(f"{HEARTBEAT_PREFIX}.>", cb=on_hb)
-    await asyncio.sleep(listen_s)
-    await sub.unsubscribe()
-    js = nc.jetstream()
     try:
-        depth = await queue_depth(js, fleet.queue)
-    except Exception as exc:  # the stream may not exist yet
-        depth = {"error": str(exc)}  # type: ignore[dict-item]
-    await nc.drain()
+        workers = await heartbeats.collect(nc, listen_s)
+        try:
+            depth = await queue_depth(nc.jetstream(), fleet.queue)
+        except Exception as exc:  # the stream may not exist yet
+            depth = {"error": str(exc)}  # type: ignore[dict-item]
+    finally:
+        await nc.drain()
     return {"workers": {k: asdict(v) for k, v in sorted(workers.items())}, "queue": depth}
 
 
 def load_fleet(path: str | Path | None) -> FleetConfig:
-    from lorafleet.config import load_yaml_model
-
     if path is None:
         return FleetConfig()
     return load_yaml_model(FleetConfig, path)

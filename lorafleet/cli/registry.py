@@ -1,4 +1,4 @@
-"""CLI of the registry: `registry list`, `promote`, `rollback`, `ui`."""
+"""`lorafleet registry list`, `promote`, `rollback`, `ui`: bundles, the quality gate, live promotion, the MLflow UI."""
 
 from __future__ import annotations
 
@@ -13,8 +13,6 @@ import typer
 registry_app = typer.Typer(help="Bundles registered in MLflow: versions, aliases, headline metrics.",
                            no_args_is_help=True)
 
-LIST_METRICS = ("test_ndcg@10", "base_test_ndcg@10", "dev_ndcg@10")
-
 
 def _fail(message: str, code: int = 1) -> None:
     typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
@@ -23,18 +21,20 @@ def _fail(message: str, code: int = 1) -> None:
 
 def _errors() -> tuple[type[BaseException], ...]:
     from lorafleet.config import ConfigError
+    from lorafleet.fleet_state import FleetStateError
+    from lorafleet.plugins import PluginError
     from lorafleet.registry.bundle import BundleError
-    from lorafleet.registry.fleet_state import FleetStateError
     from lorafleet.registry.promote import PromotionError
     from lorafleet.registry.store import RegistryError
 
-    return (RegistryError, BundleError, PromotionError, FleetStateError, ConfigError)
+    return (RegistryError, BundleError, PromotionError, FleetStateError, ConfigError, PluginError)
 
 
 @registry_app.command("list")
 def list_cmd(name: str = typer.Argument(None, help="Only this registered model.")) -> None:
     """Registered bundles: each version with its aliases, base model and headline metrics."""
     from lorafleet.registry import store
+    from lorafleet.tasks import get_task_kind
 
     try:
         models = [(name, store.versions(name))] if name else store.list_models()
@@ -44,13 +44,14 @@ def list_cmd(name: str = typer.Argument(None, help="Only this registered model."
     if not models:
         typer.echo(f"no registered bundles in {store.tracking_uri()}")
         return
-    header = f"  {'version':<8} {'aliases':<22} {'base':<20} " + " ".join(f"{m:>18}" for m in LIST_METRICS)
     for model_name, infos in models:
-        typer.echo(model_name)
-        typer.echo(header)
+        task = infos[-1].task if infos else "retrieval"
+        columns = get_task_kind(task).metrics.table
+        typer.echo(f"{model_name}  ({task})")
+        typer.echo(f"  {'version':<8} {'aliases':<22} {'base':<20} " + " ".join(f"{m:>18}" for m in columns))
         for info in infos:
             metrics = " ".join(f"{(f'{v:.4f}' if (v := info.metric(m)) is not None else '-'):>18}"
-                               for m in LIST_METRICS)
+                               for m in columns)
             typer.echo(f"  v{info.version:<7} {','.join(info.aliases) or '-':<22} {info.base or '-':<20} {metrics}")
 
 
@@ -58,8 +59,8 @@ def promote(
     name: str = typer.Argument(..., help="Registered model name (= the served name)."),
     version: str = typer.Option(None, "--version", "-v", help="Version (default: alias 'candidate', else newest)."),
     force: bool = typer.Option(False, "--force", help="Skip the quality gate."),
-    margin: float = typer.Option(None, "--margin", help="Required test nDCG@10 gain over the base model "
-                                 "(default: $LORAFLEET_PROMOTE_MARGIN, else 0)."),
+    margin: float = typer.Option(None, "--margin", help="Required relative gain of the headline metric over the "
+                                 "base model, e.g. 0.02 for 2 % (default: $LORAFLEET_PROMOTE_MARGIN, else 0)."),
     nats_url: str = typer.Option(None, "--nats-url", help="Cluster to update (default: LORAFLEET_HOME/cluster.json)."),
     fleet: Path = typer.Option(None, "--fleet", help="Fleet YAML of that cluster (to check its base models)."),
 ) -> None:
@@ -74,8 +75,8 @@ def promote(
     gate = out.gate
     if gate is not None and gate.ok:
         vs_champ = f", champion {gate.champion_score:.4f}" if gate.champion_score is not None else ""
-        typer.echo(f"gate passed: test nDCG@10 {gate.score:.4f} (base {gate.base_score:.4f} + margin "
-                   f"{gate.margin:.4f}{vs_champ})")
+        typer.echo(f"gate passed: {gate.metric} {gate.score:.4f} (base {gate.base_score:.4f}, relative margin "
+                   f"{gate.margin:.1%}{vs_champ})")
     elif gate is not None:
         typer.secho("gate FAILED but --force given: " + "; ".join(gate.reasons), fg=typer.colors.YELLOW)
     was = f" (was v{out.previous})" if out.previous and out.previous != out.version else ""
@@ -125,7 +126,7 @@ def ui(
     try:
         code = proc.wait()
     except KeyboardInterrupt:
-        from lorafleet.serve.cluster import stop_group
+        from lorafleet.cluster import stop_group
 
         stop_group(proc.pid, 10.0, "mlflow")
         typer.echo("MLflow UI stopped")

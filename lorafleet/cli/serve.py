@@ -1,4 +1,4 @@
-"""CLI commands of the serving side: up, down, status, embed."""
+"""`lorafleet up`, `down`, `status`, `embed`: the local cluster and a client for it."""
 
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ def up(
     timeout: float = typer.Option(300.0, help="Seconds to wait for the cluster to become ready."),
 ) -> None:
     """Start a local cluster: embedded nats-server, N workers and the gateway, under LORAFLEET_HOME."""
+    from lorafleet.cluster import ClusterError, LocalCluster, load_fleet
     from lorafleet.config import ConfigError
-    from lorafleet.serve.cluster import ClusterError, LocalCluster, load_fleet
 
     if fleet is None and DEFAULT_FLEET.is_file():
         fleet = DEFAULT_FLEET
@@ -45,9 +45,7 @@ def up(
     typer.echo(f"  try: lorafleet embed --model {cfg.bases[0].name} 'Der Käufer zahlt den Kaufpreis.'")
     typer.echo(f"  state and logs: {cluster.home}")
     if detach:
-        # The children run in their own sessions; forget them here so they outlive this process.
-        cluster.procs.clear()
-        cluster.nats = None
+        cluster.detach()  # the parts run in their own sessions and outlive this process
         typer.echo("  detached; stop with: lorafleet down")
         return
     typer.echo("  press Ctrl-C to stop")
@@ -61,11 +59,9 @@ def up(
     try:
         while not stop["now"]:
             time.sleep(0.5)
-            for name, proc in list(cluster.procs.items()):
-                if proc.poll() is not None:
-                    typer.secho(f"{name} exited with code {proc.returncode}; see {cluster.home}/logs/{name}.log",
-                                err=True, fg=typer.colors.YELLOW)
-                    cluster.procs.pop(name)
+            for name, code in cluster.exited():
+                typer.secho(f"{name} exited with code {code}; see {cluster.log_path(name)}",
+                            err=True, fg=typer.colors.YELLOW)
     finally:
         typer.echo("stopping (workers finish what they hold)…")
         cluster.stop()
@@ -74,8 +70,8 @@ def up(
 
 def down(timeout: float = typer.Option(30.0, help="Seconds workers get to finish in-flight tasks.")) -> None:
     """Stop the local cluster started with `lorafleet up --detach`."""
-    from lorafleet.serve.cluster import ClusterError
-    from lorafleet.serve.cluster import down as cluster_down
+    from lorafleet.cluster import ClusterError
+    from lorafleet.cluster import down as cluster_down
 
     try:
         stopped = cluster_down(timeout=timeout)
@@ -90,8 +86,8 @@ def status(as_json: bool = typer.Option(False, "--json", help="Machine-readable 
     import asyncio
 
     from lorafleet import settings
+    from lorafleet.cluster import ClusterError, ClusterState, collect_status, pid_alive
     from lorafleet.config import FleetConfig, load_yaml_model
-    from lorafleet.serve.cluster import ClusterError, ClusterState, collect_status, pid_alive
 
     try:
         state = ClusterState.load(settings.home())
@@ -144,7 +140,7 @@ def embed(
     import httpx
 
     from lorafleet import settings
-    from lorafleet.serve.cluster import ClusterError, ClusterState
+    from lorafleet.cluster import ClusterError, ClusterState
 
     if url is None:
         try:

@@ -17,17 +17,18 @@ def tune(
     budget_s: float = typer.Option(None, "--budget-s", help="Stop starting new profiles after this many seconds."),
 ) -> None:
     """Sweep the serving profile on a private local cluster; write profile.yaml, results and a plot."""
+    from lorafleet import pipeline
     from lorafleet.config import ConfigError
     from lorafleet.registry.bundle import BundleError
     from lorafleet.registry.store import RegistryError
-    from lorafleet.tune.run import TuneConfig, TuneError, run_tune
+    from lorafleet.tune.config import TuneConfig, TuneError
 
     overrides: dict[str, object] = {"slo_p99_ms": slo_p99_ms, "memory_gb": memory_gb}
     if budget_s is not None:
         overrides["budget_s"] = budget_s
     try:
         cfg = TuneConfig.quick_preset(**overrides) if quick else TuneConfig(**overrides)
-        result = run_tune(source, cfg, out_dir=out, base=base, say=lambda t: typer.echo(t, err=True))
+        result = pipeline.tune(source, cfg, out_dir=out, base=base, say=lambda t: typer.echo(t, err=True))
     except (TuneError, RegistryError, BundleError, ConfigError, ValueError) as exc:
         typer.secho(f"error: {exc}", err=True, fg=typer.colors.RED)
         raise typer.Exit(1) from None

@@ -1,0 +1,5 @@
+"""`python -m lorafleet.cli …` is `lorafleet …`."""
+
+from lorafleet.cli import main
+
+main()

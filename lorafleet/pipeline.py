@@ -1,0 +1,240 @@
+"""The pipeline: research → tune → register → promote, typed on `ResearchResult` and callable from Python.
+
+    from lorafleet import pipeline
+    from lorafleet.research import load_config
+
+    out = pipeline.run(load_config("configs/german-legal.yaml"), n_trials=4)   # research, then ship
+    out.shipped.ref                          # ("german-legal", "3"), alias "candidate"
+    pipeline.promote("german-legal")         # the task kind's gate → "champion" → live on the fleet
+
+This layer sits above the stages and is the only place that joins them: research produces a
+winner, tune measures its serving profile, the registry stores the bundle, promotion publishes it.
+The CLI (`lorafleet research run`, `lorafleet tune`) is a thin wrapper over these functions.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lorafleet import settings
+from lorafleet.config import ServingProfile
+from lorafleet.models import base_name_for
+from lorafleet.refs import parse_ref
+from lorafleet.registry import store
+from lorafleet.registry.bundle import ADAPTER_DIR, BUNDLE_FILE, read_spec
+from lorafleet.registry.promote import Outcome, promote, rollback
+from lorafleet.registry.store import CANDIDATE, BundleRef, RegistryError, register_bundle
+from lorafleet.research.config import LoadedConfig
+from lorafleet.research.result import ResearchResult
+from lorafleet.research.runner import loaded_from_study, run_research
+from lorafleet.tasks import get_task_kind
+from lorafleet.tune.config import TuneConfig, TuneError
+from lorafleet.tune.source import TuneSource, from_adapter_dir
+from lorafleet.tune.sweep import run_tune
+
+# `promote` and `rollback` are the registry's (gate → alias → fleet state), offered here as pipeline verbs.
+__all__ = ["Outcome", "PipelineResult", "ShipError", "Shipped", "promote", "resolve_tune_source", "resume",
+           "rollback", "run", "ship", "tune"]
+
+Say = Callable[[str], None]
+TAG_PARENT = "research.parent_run_id"
+TAG_TRIAL = "research.winner_trial"
+
+
+class ShipError(RuntimeError):
+    """Research finished (its result stands) but tuning or registering the winner failed."""
+
+
+@dataclass
+class Shipped:
+    ref: BundleRef
+    profile: ServingProfile
+    profile_source: str
+    tune_dir: Path | None
+
+
+@dataclass
+class PipelineResult:
+    research: ResearchResult
+    shipped: Shipped | None
+
+
+def _say(say: Say | None) -> Say:
+    return say or (lambda text: print(text, file=sys.stderr, flush=True))
+
+
+# -- research → ship --------------------------------------------------------------------------------
+
+def run(loaded: LoadedConfig, *, n_trials: int | None = None, budget_minutes: float | None = None,
+        storage: str | None = None, worker_only: bool = False, progress_live: bool | None = None,
+        ship_winner: bool = True, tune_quick: bool = False, tune_config: TuneConfig | None = None,
+        on_researched: Callable[[ResearchResult], None] | None = None, say: Say | None = None) -> PipelineResult:
+    """Research the config's study, then (unless `ship_winner` is False) tune and register a candidate winner.
+
+    `on_researched(result)` runs between the two (the CLI prints the verdict there, before minutes of tuning).
+    """
+    result = run_research(loaded, n_trials=n_trials, budget_minutes=budget_minutes, storage=storage,
+                          worker_only=worker_only, progress_live=progress_live)
+    if on_researched is not None:
+        on_researched(result)
+    shipped = None
+    if ship_winner and result.finalized and result.candidate:
+        shipped = _ship_or_raise(result, tune_quick=tune_quick, tune_config=tune_config, say=say)
+    return PipelineResult(result, shipped)
+
+
+def _ship_or_raise(result: ResearchResult, **kwargs: Any) -> Shipped | None:
+    try:
+        return ship(result, **kwargs)
+    except Exception as exc:
+        raise ShipError(f"shipping the winner failed: {type(exc).__name__}: {exc}") from exc
+
+
+def resume(name: str, *, n_trials: int | None = None, budget_minutes: float | None = None,
+           storage: str | None = None, progress_live: bool | None = None, ship_winner: bool = True,
+           tune_quick: bool = False, on_researched: Callable[[ResearchResult], None] | None = None,
+           say: Say | None = None) -> PipelineResult:
+    """Continue study `name` after a crash (its config is stored in the study), then ship as `run` does."""
+    loaded = loaded_from_study(name, storage)
+    result = run_research(loaded, n_trials=n_trials, budget_minutes=budget_minutes, storage=storage, resume=True,
+                          progress_live=progress_live)
+    if on_researched is not None:
+        on_researched(result)
+    shipped = None
+    if ship_winner and result.candidate and result.winner_adapter_dir:
+        shipped = _ship_or_raise(result, tune_quick=tune_quick, say=say)
+    return PipelineResult(result, shipped)
+
+
+def _already_shipped(name: str, parent_run_id: str | None, trial: object) -> Any:
+    """The version registered earlier for this very winner (a resumed or second finalizing process)."""
+    if not parent_run_id:
+        return None
+    try:
+        known = store.versions(name)
+    except RegistryError:
+        return None
+    for info in known:
+        if info.tags.get(TAG_PARENT) == parent_run_id and info.tags.get(TAG_TRIAL) == str(trial):
+            return info
+    return None
+
+
+def ship(result: ResearchResult, *, name: str | None = None, tune: bool = True, tune_quick: bool = False,
+         tune_config: TuneConfig | None = None, require_candidate: bool = True, say: Say | None = None
+         ) -> Shipped | None:
+    """Tune (unless `tune` is False) and register the winner of `result` as `candidate`; None if not shippable.
+
+    Idempotent: the same winner (parent run + trial) shipped twice registers one version.
+    """
+    say = _say(say)
+    if require_candidate and not result.candidate:
+        say("[ship] the winner is not a candidate: nothing tuned or registered")
+        return None
+    adapter_dir = result.winner_adapter_dir
+    if not adapter_dir or not Path(adapter_dir).is_dir():
+        say(f"[ship] no winner adapter folder ({adapter_dir!r}): nothing tuned or registered")
+        return None
+    name = name or result.study
+    done = _already_shipped(name, result.parent_run_id, result.winner_trial)
+    if done is not None:
+        say(f"[ship] this winner is already registered as {name} v{done.version}; nothing to do")
+        _, spec = store.bundle_spec(name, done.version)
+        return Shipped(BundleRef(name, done.version), spec.profile, spec.profile_source, None)
+    kind = get_task_kind(result.task)
+    cfg = kind.parse_config(result.winner_config, source="the winner's configuration")
+    base_source = kind.base_source(cfg)
+    profile, profile_source, tune_dir = None, "default", None
+    reports = [Path(p) for p in [result.report_path] if p and Path(p).is_file()]
+    if tune:
+        tcfg = tune_config or (TuneConfig.quick_preset() if tune_quick else TuneConfig())
+        say(f"[ship] tuning the serving profile of the winner ({'quick' if tcfg.quick else 'full'} sweep)")
+        source = TuneSource(Path(adapter_dir), base_source, base_name_for(base_source), None, name)
+        tuned = run_tune(source, tcfg, say=say)
+        profile, profile_source, tune_dir = tuned.profile, "tuned", tuned.out_dir
+        reports += [p for p in tuned.files.values() if p.is_file()]
+    details = kind.bundle_details(cfg)
+    ref = register_bundle(
+        name, adapter_dir, base_source=base_source, profile=profile, profile_source=profile_source,
+        metrics={**result.baseline, **result.winner_metrics}, dataset_digest=result.dataset_digest,
+        report_paths=reports, max_seq_length=details.pop("max_seq_length", None), run_id=result.parent_run_id,
+        alias=CANDIDATE, description=result.verdict or None, task=kind.name, kind=kind.bundle_kind,
+        details=details,
+        extra_tags={"research.study": str(result.study), TAG_TRIAL: str(result.winner_trial),
+                    TAG_PARENT: str(result.parent_run_id)},
+    )
+    say(f"[ship] registered {ref.name} v{ref.version} as '{CANDIDATE}'; promote it with: lorafleet promote {ref.name}")
+    return Shipped(ref, profile or ServingProfile(), profile_source, tune_dir)
+
+
+# -- tune ------------------------------------------------------------------------------------------
+
+_RUN_ID_RE = re.compile(r"^[0-9a-f]{32}$")
+
+
+def resolve_tune_source(ref: str, base: str | None = None) -> TuneSource:
+    """What `lorafleet tune REF` measures: an adapter folder, a bundle folder, an MLflow run id, or a
+    registered NAME@alias / NAME/N."""
+    path = Path(ref).expanduser()
+    if path.is_dir():
+        if (path / BUNDLE_FILE).is_file():
+            spec = read_spec(path)
+            return TuneSource(path / ADAPTER_DIR, base or spec.base.source, spec.base.name, spec.base.revision,
+                              spec.name, spec.profile)
+        if (path / "adapter_config.json").is_file():
+            return from_adapter_dir(path, base)
+        raise TuneError(f"{path} is neither a peft adapter folder (adapter_config.json) nor a bundle (bundle.yaml)")
+    if ref.startswith(("/", "./", "../", "~")):
+        raise TuneError(f"adapter folder {path} does not exist")
+    if _RUN_ID_RE.match(ref):
+        return _from_run(ref, base)
+    registered = parse_ref(ref)
+    if registered is not None:
+        adapter_dir, spec, info = store.fetch_adapter(registered.name, registered.ref)
+        return TuneSource(adapter_dir, base or spec.base.source, spec.base.name, spec.base.revision,
+                          f"{info.name}-v{info.version}", spec.profile)
+    raise TuneError(f"{ref!r} is not an adapter folder, a bundle folder, an MLflow run id (32 hex digits), "
+                    "or a registered NAME@alias / NAME/version")
+
+
+def _from_run(run_id: str, base: str | None) -> TuneSource:
+    from mlflow.artifacts import download_artifacts
+
+    c = store.client()
+    try:
+        c.get_run(run_id)
+    except Exception as exc:
+        raise TuneError(f"MLflow run {run_id} does not exist in {store.tracking_uri()}") from exc
+
+    def find(path: str = "", depth: int = 0) -> str | None:
+        for item in c.list_artifacts(run_id, path or None):
+            if not item.is_dir and item.path.endswith("adapter_config.json"):
+                return path
+        if depth < 3:
+            for item in c.list_artifacts(run_id, path or None):
+                if item.is_dir and (found := find(item.path, depth + 1)) is not None:
+                    return found
+        return None
+
+    found = find()
+    if found is None:
+        raise TuneError(f"MLflow run {run_id} has no logged adapter (no adapter_config.json among its artifacts)")
+    dest = settings.home() / "tune" / "runs" / run_id
+    if dest.exists():
+        shutil.rmtree(dest)
+    local = Path(download_artifacts(run_id=run_id, artifact_path=found, dst_path=str(dest),
+                                    tracking_uri=store.tracking_uri()))
+    return from_adapter_dir(local, base, f"run-{run_id[:8]}")
+
+
+def tune(ref: str, cfg: TuneConfig | None = None, *, out_dir: Path | None = None, base: str | None = None,
+         say: Say | None = None) -> Any:
+    """`lorafleet tune REF`: resolve what REF names, then sweep its serving profile."""
+    return run_tune(resolve_tune_source(ref, base), cfg, out_dir=out_dir, say=say)
+

@@ -1,0 +1,198 @@
+"""Task kinds: what kind of specialist a run makes, as one strategy object per kind.
+
+A task kind (retrieval, generation, …) knows how to build its dataset (with digest and leakage
+check), train a LoRA, evaluate one on a split, score the base model and a non-learned baseline,
+which capability serves it, and how its quality gate reads. Research, the pipeline, the registry
+and the CLI take all of that from the kind, never from a constant, so a new kind is a new module
+plus an entry point (group `lorafleet.tasks`) and touches neither research's loop nor promotion.
+
+Life of a kind in a research run (the order calls happen in):
+
+    kind = get_task_kind(name)
+    cfg = kind.parse_config(raw)                 # the `train:` section, validated by kind.config_model
+    dataset = kind.build_dataset(cfg)            # once per data configuration (cached by dataset_key)
+    baseline = kind.baselines(cfg, dataset)      # base_* and <baseline>_* on dev and test, once per study
+    outcome = kind.train(cfg, dataset, out_dir, on_epoch=cb)   # per trial; cb(epoch, dev metrics) may raise
+    test = kind.evaluate(cfg, dataset, outcome.adapter_dir, "test")  # only for the winner
+
+Everything runs in the caller's process and thread; `on_epoch` may raise (pruning, time limit) and
+the kind must let that exception through. Metric names are flat: `{split}_{metric}` from the kind,
+prefixes (`base_`, the baseline's name) from `lorafleet.metrics`.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Literal, Protocol
+
+from lorafleet import plugins
+from lorafleet.config import StrictModel, validate_model
+from lorafleet.metrics import prefixed, to_test
+
+EpochCallback = Callable[[int, dict[str, float]], None]
+Direction = Literal["maximize", "minimize"]
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """The metrics a kind is judged by.
+
+    `objective` is the dev metric research optimises; `headline` the test metric of a winner that
+    the gate, the registry tags and the reports lead with. `baseline` is the prefix of the kind's
+    non-learned baseline (`bm25`, `lead`) and `baseline_label` its name in tables. `table` lists
+    what a version listing shows; `report` the metric names (without split) a report compares.
+    """
+
+    objective: str
+    direction: Direction = "maximize"
+    baseline: str | None = None
+    baseline_label: str = "baseline"
+    label: str = ""
+    table: tuple[str, ...] = ()
+    report: tuple[str, ...] = ()
+
+    @property
+    def headline(self) -> str:
+        return to_test(self.objective)
+
+    def base(self, name: str) -> str:
+        return f"base_{name}"
+
+
+def beats(score: float, reference: float, margin: float, direction: Direction) -> bool:
+    """Whether `score` beats `reference` by the relative `margin` (0.02: by 2 % of the reference)."""
+    need = abs(reference) * margin
+    tol = 1e-9 * max(abs(reference), 1.0)  # 0.40 × 1.05 is 0.42000000000000004 in floating point
+    return score >= reference + need - tol if direction == "maximize" else score <= reference - need + tol
+
+
+@dataclass
+class GateResult:
+    ok: bool
+    reasons: list[str]
+    score: float | None
+    champion_score: float | None
+    base_score: float | None
+    margin: float
+    metric: str
+
+
+def judge(metrics: MetricSpec, candidate: Mapping[str, float], champion: Mapping[str, float] | None,
+          margin: float, *, candidate_label: str = "the candidate", champion_label: str = "the champion"
+          ) -> GateResult:
+    """The one quality gate, used by research's verdict and by promotion.
+
+    The candidate's headline metric must beat the base model's by the relative `margin` and must not
+    fall behind the current champion's. Pure: metric dicts in, a verdict with reasons out.
+    """
+    name, base_name = metrics.headline, metrics.base(metrics.headline)
+    score, base = candidate.get(name), candidate.get(base_name)
+    champ = champion.get(name) if champion is not None else None
+    worse = "below" if metrics.direction == "maximize" else "above"
+    reasons: list[str] = []
+    if score is None:
+        reasons.append(f"{candidate_label} has no {name} recorded, so it cannot be judged")
+    else:
+        if base is None:
+            reasons.append(f"{candidate_label} has no {base_name} recorded (the base model's score)")
+        elif not beats(score, base, margin, metrics.direction):
+            need = base + abs(base) * margin * (1 if metrics.direction == "maximize" else -1)
+            reasons.append(f"{name} {score:.4f} is {abs(need - score):.4f} {worse} what it needs: the base model's "
+                           f"{base:.4f} and a relative margin of {margin:.1%} ({need:.4f})")
+        if champion is not None:
+            if champ is None:
+                reasons.append(f"{champion_label} has no {name} recorded to compare with")
+            elif not beats(score, champ, 0.0, metrics.direction):
+                reasons.append(f"{name} {score:.4f} is {abs(champ - score):.4f} {worse} {champion_label}'s {champ:.4f}")
+    return GateResult(not reasons, reasons, score, champ, base, margin, name)
+
+
+class TaskDataset(Protocol):
+    """What research needs of a kind's dataset; the rest is the kind's own business."""
+
+    digest: str
+
+    def summary(self) -> dict[str, int]: ...
+
+
+@dataclass
+class TrainResult:
+    """One training run of a kind: the adapter and flat metrics (`dev_*` of the last epoch, `test_*` if scored)."""
+
+    adapter_dir: Path
+    metrics: dict[str, float]
+    epochs: list[dict[str, float]]  # per epoch: epoch, train_loss, dev_* metrics
+    cost: dict[str, float]  # wall_s, cpu_s, peak_rss_mb, usd
+    dataset_digest: str
+    report_path: Path | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+class TaskKind(ABC):
+    """Base class of a task kind; subclasses set the class attributes and implement the abstract methods."""
+
+    name: ClassVar[str]
+    capability: ClassVar[str]  # wire.EMBED or wire.GENERATE: what a runtime must offer to serve it
+    bundle_kind: ClassVar[str]  # recorded in bundle.yaml: "sentence-transformers", "causal-lm"
+    metrics: ClassVar[MetricSpec]
+    config_model: ClassVar[type[StrictModel]]  # the `train:` section
+
+    def parse_config(self, raw: Mapping[str, Any], source: str = "train:") -> Any:
+        return validate_model(self.config_model, dict(raw), source=source)
+
+    def dataset_key(self, cfg: Any) -> str:
+        """Trials whose configs give the same key share one dataset (data section and base model by default)."""
+        data = getattr(cfg, "data", None)
+        return json.dumps([data.model_dump(mode="json") if data is not None else None,
+                           getattr(cfg, "base_model", None)], sort_keys=True, default=str)
+
+    def base_source(self, cfg: Any) -> str:
+        return str(cfg.base_model)
+
+    @abstractmethod
+    def build_dataset(self, cfg: Any) -> TaskDataset: ...
+
+    @abstractmethod
+    def baselines(self, cfg: Any, dataset: Any) -> dict[str, float]:
+        """The base model's and the non-learned baseline's metrics on dev and test, prefixed `base_`/`<baseline>_`."""
+
+    @abstractmethod
+    def train(self, cfg: Any, dataset: Any, out_dir: Path, *, on_epoch: EpochCallback | None = None
+              ) -> TrainResult: ...
+
+    @abstractmethod
+    def evaluate(self, cfg: Any, dataset: Any, adapter_dir: Path, split: str) -> dict[str, float]:
+        """The adapter's metrics on `split`, named `{split}_{metric}` (no prefix)."""
+
+    @abstractmethod
+    def run(self, cfg: Any, out_dir: Path | None = None, *, log_mlflow: bool = True,
+            run_name: str | None = None) -> TrainResult:
+        """One standalone training run (`lorafleet train`): dataset, baselines, LoRA, evaluation, report, MLflow."""
+
+    def bundle_details(self, cfg: Any) -> dict[str, Any]:
+        """What a bundle of this kind records beside the adapter (pooling, chat template, …); none by default."""
+        return {}
+
+    def gate(self, candidate: Mapping[str, float], champion: Mapping[str, float] | None, margin: float,
+             **labels: str) -> GateResult:
+        return judge(self.metrics, candidate, champion, margin, **labels)
+
+    def base_metrics(self, base: Mapping[str, float]) -> dict[str, float]:
+        return prefixed(base, "base")
+
+
+def get_task_kind(name: str) -> TaskKind:
+    """The task kind registered as `name` (entry-point group `lorafleet.tasks`)."""
+    kind = plugins.load(plugins.TASK_KINDS, name)
+    instance = kind() if isinstance(kind, type) else kind
+    if not isinstance(instance, TaskKind):
+        raise plugins.PluginError(f"task kind {name!r} is {type(instance).__name__}, not a lorafleet TaskKind")
+    return instance
+
+
+def task_kind_names() -> list[str]:
+    return plugins.names(plugins.TASK_KINDS)

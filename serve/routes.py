@@ -1,0 +1,202 @@
+"""The gateway's HTTP side: routes, auth, body limits, request parsing and response shaping.
+
+Handlers parse and check the request (serve/parsing.py), hand it to the request core
+(serve/gateway.py) and shape its answer; every error is the JSON `{"error": {"code", "message"}}`
+with the right status, and every request is counted by route, model and status.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route as HttpRoute
+
+from lorafleet import wire
+from lorafleet.config import FleetConfig
+from lorafleet.serve.errors import ApiError, bad_request, error_response
+from lorafleet.serve.gateway import Gateway
+from lorafleet.serve.metrics import CONTENT_TYPE
+from lorafleet.serve.parsing import deadline_seconds, parse_embeddings, parse_encode
+
+log = logging.getLogger("lorafleet.serve")
+
+DEADLINE_HEADER = "x-lorafleet-deadline-ms"
+MSGPACK = "application/msgpack"
+
+
+class Routes:
+    """The HTTP handlers of one gateway."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gw = gateway
+
+    async def embeddings(self, request: Request) -> Response:
+        t0 = time.perf_counter()
+        model = "_invalid"  # bounded label cardinality: only served names or this
+        try:
+            self.gw.keys.check(request.headers.get("authorization"))
+            req = parse_embeddings(await read_body(request, self.gw.cfg.max_body_bytes), self.gw.cfg.max_inputs)
+            route = self.gw.resolve(req.model)
+            model = route.name
+            self.gw.check_dimensions(route, req.dimensions)
+            deadline_s = deadline_seconds(request.headers.get(DEADLINE_HEADER), None,
+                                          self.gw.cfg.default_deadline_s, self.gw.cfg.max_deadline_s)
+            results, tokens = await self.gw.embed(route, req.inputs, deadline_s)
+            self.gw.check_dimensions(route, req.dimensions)  # native size may only be known from the results
+            if req.encoding_format == "base64":
+                data: list[dict[str, Any]] = [
+                    {"object": "embedding", "index": i, "embedding": base64.b64encode(r.vector or b"").decode()}
+                    for i, r in enumerate(results)
+                ]
+            else:
+                data = [{"object": "embedding", "index": i, "embedding": r.array()} for i, r in enumerate(results)]
+            body = orjson.dumps(
+                {"object": "list", "data": data, "model": route.name,
+                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}},
+                option=orjson.OPT_SERIALIZE_NUMPY,
+            )
+            response = Response(body, media_type="application/json")
+        except ApiError as exc:
+            response = exc.response()
+        except Exception as exc:  # a bug, not the client's fault: still the JSON error shape, and counted
+            log.exception("%s failed", request.url.path)
+            response = error_response(500, "internal_error", f"the gateway failed: {exc!r}")
+        self._observe("embeddings", model, response.status_code, t0)
+        return response
+
+    async def encode(self, request: Request) -> Response:
+        t0 = time.perf_counter()
+        model = "_invalid"
+        try:
+            self.gw.keys.check(request.headers.get("authorization"))
+            route = self.gw.resolve(request.path_params["model"])
+            model = route.name
+            req = parse_encode(await read_body(request, self.gw.cfg.max_body_bytes), self.gw.cfg.max_inputs)
+            deadline_s = deadline_seconds(request.headers.get(DEADLINE_HEADER), req.deadline_ms,
+                                          self.gw.cfg.default_deadline_s, self.gw.cfg.max_deadline_s)
+            results, tokens = await self.gw.embed(route, req.inputs, deadline_s)
+            body = wire.encode_response(route.name, [r.vector or b"" for r in results], results[0].dim, tokens)
+            response = Response(body, media_type=MSGPACK)
+        except ApiError as exc:
+            response = exc.response()
+        except Exception as exc:  # a bug, not the client's fault: still the JSON error shape, and counted
+            log.exception("%s failed", request.url.path)
+            response = error_response(500, "internal_error", f"the gateway failed: {exc!r}")
+        self._observe("encode", model, response.status_code, t0)
+        return response
+
+    def _observe(self, route: str, model: str, code: int, t0: float) -> None:
+        self.gw.metrics.request_done(route, model, code, time.perf_counter() - t0)
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self.gw.keys.check(request.headers.get("authorization"))
+        except ApiError as exc:
+            return exc.response()
+        data = [
+            {"id": r.name, "object": "model", "created": self.gw.created, "owned_by": "lorafleet", "root": r.base,
+             "adapter": r.adapter}
+            for r in self.gw.resolver.routes()
+        ]
+        return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
+
+    async def healthz(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok", "gateway_id": self.gw.gateway_id})
+
+    async def readyz(self, request: Request) -> Response:
+        ready, detail = await self.gw.readiness()
+        return JSONResponse(detail, status_code=200 if ready else 503)
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        return Response(self.gw.metrics.render(), media_type=CONTENT_TYPE)
+
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refusing more than `limit` bytes by Content-Length and by what actually arrives."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            size = int(declared)
+        except ValueError:
+            raise bad_request("invalid_content_length", f"Content-Length {declared!r} is not a number") from None
+        if size > limit:
+            raise _too_large(size, limit)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(size, limit)
+        chunks.append(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _too_large(size: int, limit: int) -> ApiError:
+    return ApiError(413, "body_too_large",
+                    f"the request body has {size} bytes or more; the limit is max_body_bytes={limit}: "
+                    "split the inputs over several requests")
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    return error_response(exc.status_code, code, f"{request.method} {request.url.path}: {exc.detail}",
+                          dict(exc.headers) if exc.headers else None)
+
+
+def create_app(fleet: FleetConfig, *, nats_url: str | None = None, gateway_id: str | None = None) -> Starlette:
+    """The gateway's Starlette app; `app.state.gateway` is its Gateway (resolver, metrics, …)."""
+    gateway = Gateway(fleet, nats_url=nats_url, gateway_id=gateway_id)
+    r = Routes(gateway)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await gateway.start()
+        try:
+            yield
+        finally:
+            await gateway.stop()
+
+    routes = [
+        HttpRoute("/v1/embeddings", r.embeddings, methods=["POST"]),
+        HttpRoute("/v1/encode/{model}", r.encode, methods=["POST"]),
+        HttpRoute("/v1/models", r.models, methods=["GET"]),
+        HttpRoute("/healthz", r.healthz, methods=["GET"]),
+        HttpRoute("/readyz", r.readyz, methods=["GET"]),
+        HttpRoute("/metrics", r.metrics_endpoint, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error})
+    app.state.gateway = gateway
+    return app
+
+
+def uvicorn_config(app: Starlette, host: str, port: int, log_level: str = "warning") -> Any:
+    import uvicorn
+
+    # One process, uvloop + httptools, no access log: every microsecond on the request path counts.
+    return uvicorn.Config(app, host=host, port=port, loop="uvloop", http="httptools", lifespan="on",
+                          access_log=False, log_level=log_level, server_header=False, workers=1)
+
+
+def run_gateway(fleet: FleetConfig, *, nats_url: str | None = None, host: str | None = None,
+                port: int | None = None, gateway_id: str | None = None, log_level: str = "warning") -> None:
+    """Serve the gateway until SIGINT/SIGTERM (blocking)."""
+    import uvicorn
+
+    host = host or fleet.gateway.host
+    port = fleet.gateway.port if port is None else port
+    app = create_app(fleet, nats_url=nats_url, gateway_id=gateway_id)
+    gw: Gateway = app.state.gateway
+    log.info("gateway %s on http://%s:%d, NATS %s", gw.gateway_id, host, port, gw.nats_url)
+    uvicorn.Server(uvicorn_config(app, host, port, log_level)).run()

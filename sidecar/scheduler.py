@@ -1,0 +1,171 @@
+"""Scheduling: when this worker pulls, from which base, how many tasks, and how they become batches.
+
+One loop over every base's consumer: a free slot goes to the base whose waiting task is oldest.
+A loop per base would let a base with an empty queue sit on a slot while another base has a
+backlog. Each base keeps one open fetch(1) (its waiter) across cycles; a slot fills one batch,
+from the base whose head task is oldest, so a worker never holds full batches of several bases at
+once (tasks that an idle peer could serve). A head that lands while the worker is busy waits, held
+and kept alive, for the next free slot. A slot is one batch queued or computing here; it frees
+when the main thread posts the batch's outcome back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from lorafleet.config import FleetConfig
+from lorafleet.sidecar.acks import Situation
+from lorafleet.sidecar.batcher import Batch, ProfileFor, Pulled, form_batches
+from lorafleet.sidecar.pull import IDLE_POLL_S, ArrivalRate, BatchTime, fill, wait_first
+from lorafleet.sidecar.settle import HeldTable, Settler
+from lorafleet.wire import MalformedTask, Task
+
+log = logging.getLogger(__name__)
+
+
+def stream_seq(msg: Any) -> int:
+    try:
+        return int(msg.metadata.sequence.stream)
+    except Exception:
+        return 0
+
+
+def pull_cap(fleet: FleetConfig, base: str) -> int:
+    """The most tasks one pull may take for `base`: the largest batch any of its profiles allows."""
+    caps = [fleet.worker.profile.max_batch_items]
+    caps += [m.profile.max_batch_items for m in fleet.models if m.base == base and m.profile]
+    return max(caps)
+
+
+class PullScheduler:
+    """Runs the pull loop on the worker's event loop; hands finished batches to `handoff` (the main thread)."""
+
+    def __init__(self, fleet: FleetConfig, psubs: dict[str, Any], held: HeldTable, settler: Settler,
+                 handoff: Callable[[Batch], None], profile_for: ProfileFor, slots: asyncio.Semaphore,
+                 stopping: Callable[[], bool]) -> None:
+        self.fleet = fleet
+        self.bases = list(psubs)
+        self.psubs = psubs
+        self.held = held
+        self.settler = settler
+        self.handoff = handoff
+        self.profile_for = profile_for
+        self.slots = slots
+        self.stopping = stopping
+        self.phase = ""  # "slot" while waiting for a free slot (holding nothing), then "fetch", "hold"
+        self.batch_times = {b: BatchTime() for b in self.bases}  # measured compute time, for max_batch_ms
+        self._arrivals = ArrivalRate()
+        self._waiters: dict[str, asyncio.Task[Any]] = {}  # base → its open fetch(1), kept across cycles
+        self._heads: dict[str, Any] = {}  # base → a message its waiter brought that no batch has taken yet
+        self._seq = 0
+
+    async def run(self) -> None:
+        caps = {base: pull_cap(self.fleet, base) for base in self.bases}
+        profile = self.fleet.worker.profile
+        while not self.stopping():
+            self.phase = "slot"
+            await self.slots.acquire()
+            self.phase = "fetch"
+            if self.stopping():
+                self.slots.release()
+                break
+            head = await self._next_head()
+            if head is None:
+                self.slots.release()
+                continue
+            base, first = head
+            now = time.monotonic()
+            wait_ms = profile.max_wait_ms if self._arrivals.worth_waiting(profile.max_wait_ms, now) else 0.0
+            cap = caps[base]
+            if profile.max_batch_ms is not None:
+                cap = self.batch_times[base].max_items(profile.max_batch_ms / 1000.0, cap)
+            try:
+                msgs = await fill(self.psubs[base], [first], cap, wait_ms)
+            except Exception as exc:  # the first message is held: it still gets batched below
+                log.warning("pull on %s failed: %s", base, exc)
+                msgs = [first]
+            self._arrivals.observe(len(msgs), now)
+            pulled = await self.admit(base, msgs)
+            batches = form_batches(pulled, self.profile_for) if pulled else []
+            if not batches:
+                self.slots.release()
+                continue
+            self.phase = "hold"
+            for i, batch in enumerate(batches):  # several only when one base's tasks name several adapters
+                if i:
+                    await self.slots.acquire()
+                self._seq += 1
+                batch.seq = self._seq
+                self.handoff(batch)
+
+    async def _next_head(self) -> tuple[str, Any] | None:
+        """(base, message) of the oldest task held as a head, waiting for one when none is held."""
+        if not self._heads:
+            for base in self.bases:
+                if base not in self._waiters:
+                    self._waiters[base] = asyncio.create_task(self._wait_one(base))
+            await asyncio.wait(list(self._waiters.values()), return_when=asyncio.FIRST_COMPLETED)
+        for base, waiter in list(self._waiters.items()):
+            if waiter.done():
+                del self._waiters[base]
+                msg = waiter.result()  # _wait_one does not raise
+                if msg is not None:
+                    self._heads[base] = msg
+        if not self._heads:
+            return None
+        base = min(self._heads, key=lambda b: stream_seq(self._heads[b]))  # one stream: lower is older
+        return base, self._heads.pop(base)
+
+    async def _wait_one(self, base: str) -> Any | None:
+        try:
+            msg = await wait_first(self.psubs[base])
+        except Exception as exc:  # reconnecting, or the consumer is being recreated
+            log.warning("pull on %s failed: %s", base, exc)
+            await asyncio.sleep(0.5)
+            return None
+        if msg is not None:
+            self.held.add(msg)  # kept alive (in_progress) until a slot takes it
+        return msg
+
+    async def give_back_waiting(self) -> None:
+        """At shutdown: tasks that a waiter brought but no slot took go back to the queue at once."""
+        waiters, self._waiters = self._waiters, {}
+        if waiters:
+            await asyncio.wait(list(waiters.values()), timeout=IDLE_POLL_S + 2.0)
+        left = list(self._heads.items())
+        self._heads = {}
+        for base, waiter in waiters.items():
+            if not waiter.done():
+                waiter.cancel()
+            elif waiter.result() is not None:
+                left.append((base, waiter.result()))
+        await self.settler.settle_many([(msg, base, Situation.SHUTDOWN, None,
+                                         "worker shut down before taking the task", None, time.time())
+                                        for base, msg in left])
+
+    async def admit(self, base: str, msgs: list[Any]) -> list[Pulled]:
+        """Decode and hold each message; malformed and already-expired tasks are settled right here."""
+        now = time.time()
+        mono = time.monotonic()
+        out: list[Pulled] = []
+        refused: list[tuple[Any, str, Situation, Task | None, str, bytes | None, float]] = []
+        for msg in msgs:
+            self.held.add(msg)
+            try:
+                task = Task.from_wire(msg.data)
+                if task.base != base:
+                    raise MalformedTask(f"task names base {task.base!r} but came on {base!r}'s subject")
+            except MalformedTask as exc:
+                refused.append((msg, base, Situation.MALFORMED, None, str(exc), None, now))
+                continue
+            if task.deadline <= now:
+                refused.append((msg, base, Situation.DEADLINE, task, "deadline passed in the queue", None, now))
+                continue
+            out.append(Pulled(task, msg, mono))
+        if refused:
+            await self.settler.settle_many(refused)
+        return out

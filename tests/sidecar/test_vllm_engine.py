@@ -1,0 +1,404 @@
+"""The vLLM engine process on a tiny random Llama: output equals direct vLLM, streaming, chat,
+runtime LoRA loading, cancellation, authentication and a dying engine.
+
+Needs the vLLM venv (`python -m lorafleet.sidecar.vllm_install`, ~2 min, 3.5 GB); skips without it.
+One engine serves the whole module (start ~25 s); the test that kills it runs last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from lorafleet.sidecar.vllm_engine import (
+    EngineConfig,
+    EngineDied,
+    EngineRequestError,
+    Finished,
+    GenerateRequest,
+    TextDelta,
+    VllmEngine,
+    write_support_files,
+)
+from lorafleet.sidecar.vllm_install import find_vllm_venv, venv_python
+
+VENV = find_vllm_venv()
+SKIP_REASON = ("vLLM venv not installed: run `python -m lorafleet.sidecar.vllm_install` "
+               "(or `lorafleet runtime install vllm`); set LORAFLEET_VLLM_VENV to reuse one")
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.asyncio(loop_scope="module"),
+    pytest.mark.skipif(VENV is None, reason=SKIP_REASON),
+]
+
+PROMPTS = ["The quick brown fox", "Workers pull tasks from the queue"]
+MAX_MODEL_LEN = 512  # the tiny Llama's max_position_embeddings: long streams to cancel
+GREEDY = {"max_tokens": 16, "temperature": 0.0}
+LORA_NAMES = ("a", "b", "c")
+
+# ---- a tiny Llama and random LoRAs, built on the fly ------------------------------------------
+# lorafleet.testing.build_tiny_llama is the shared one; the copy below only serves until it is
+# committed there (delete it then).
+try:
+    from lorafleet.testing import build_tiny_llama as _shared_tiny_llama
+except ImportError:  # pragma: no cover - older lorafleet.testing
+    _shared_tiny_llama = None
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "A small model for fast unit tests of the serving cluster.",
+    "Der Verkäufer einer Sache ist verpflichtet, dem Käufer die Sache zu übergeben.",
+    "Workers pull tasks from the queue, batch them and reply.",
+    "What is the capital of France? Paris is the capital of France.",
+    "Hello, how are you today? I am fine, thank you.",
+]
+# Every printable ASCII character is in the vocabulary: an <unk> in a prompt makes vLLM 0.32's
+# incremental detokenizer hold back the whole stream until the end (measured: TTFT = total time).
+ALPHABET = [chr(c) for c in range(33, 127)] + list("äöüÄÖÜß")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _local_tiny_llama(out_dir: Path, *, seed: int = 0) -> Path:
+    """hidden 128, 2 heads of 64 (vLLM's CPU attention needs head_dim >= 32), 2 layers, a BPE
+    tokenizer with Metaspace (every token decodes to valid text, so streamed deltas are exact)
+    and a ChatML-like template. Special tokens get zero logits, so greedy output never stops early."""
+    import torch
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import BPE
+    from tokenizers.trainers import BpeTrainer
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    special = ["<unk>", "<s>", "<|im_start|>", "<|im_end|>", "<pad>"]
+    tok = Tokenizer(BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    tok.train_from_iterator(_CORPUS * 4, BpeTrainer(vocab_size=384, special_tokens=special, show_progress=False,
+                                                      initial_alphabet=ALPHABET))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="<|im_end|>", pad_token="<pad>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(fast), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
+                         bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
+                         pad_token_id=fast.pad_token_id, tie_word_embeddings=False, initializer_range=0.2)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight[: len(special)] = 0
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def build_tiny_llama(out_dir: Path) -> Path:
+    if _shared_tiny_llama is not None:
+        return _shared_tiny_llama(out_dir, mute_special_tokens=True)
+    return _local_tiny_llama(out_dir)
+
+
+def make_lora(base: Path, out_dir: Path, seed: int) -> Path:
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(
+        task_type="CAUSAL_LM", r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+# Direct vLLM generation in the vLLM venv, one prompt per call like the server sees them.
+_REFERENCE_SCRIPT = '''
+import json, sys
+def main():
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+    spec = json.loads(sys.argv[1])
+    llm = LLM(model=spec["model"], enable_lora=True, max_loras=2, max_lora_rank=8, dtype="bfloat16",
+              max_model_len=spec["max_model_len"], enforce_eager=True, seed=0)
+    params = SamplingParams(**spec["greedy"])
+    out = {}
+    for name, path in [(None, None), *spec["loras"].items()]:
+        lora = LoRARequest(name, len(out) + 1, path) if name else None
+        out[name or ""] = [llm.generate([p], params, lora_request=lora, use_tqdm=False)[0].outputs[0].text
+                           for p in spec["prompts"]]
+    print("REFERENCE " + json.dumps(out), flush=True)
+if __name__ == "__main__":
+    main()
+'''
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny-llama")
+    base = build_tiny_llama(root / "base")
+    paths = {"base": base}
+    for seed, name in enumerate(LORA_NAMES, 1):
+        paths[name] = make_lora(base, root / f"lora-{name}", seed)
+    return paths
+
+
+@pytest.fixture(scope="module")
+def reference(tiny: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]]:
+    assert VENV is not None
+    run_dir = write_support_files(tmp_path_factory.mktemp("vllm-ref"))
+    (run_dir / "reference.py").write_text(_REFERENCE_SCRIPT)
+    spec = {"model": str(tiny["base"]), "max_model_len": MAX_MODEL_LEN, "greedy": GREEDY, "prompts": PROMPTS,
+            "loras": {"a": str(tiny["a"]), "b": str(tiny["b"])}}
+    env = {**os.environ, "PYTHONPATH": str(run_dir), "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([str(venv_python(VENV)), str(run_dir / "reference.py"), json.dumps(spec)],
+                          env=env, capture_output=True, text=True, timeout=300, start_new_session=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("REFERENCE ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return json.loads(lines[-1].removeprefix("REFERENCE "))
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(tiny: dict[str, Path], reference: dict[str, list[str]]) -> AsyncIterator[VllmEngine]:
+    eng = VllmEngine(EngineConfig(model=str(tiny["base"]), served_name="tiny", max_model_len=MAX_MODEL_LEN,
+                                  max_loras=2, max_cpu_loras=4, max_lora_rank=8, max_num_seqs=16,
+                                  kv_cache_gib=1, enforce_eager=True, log_requests=True))
+    await eng.start()
+    try:
+        await eng.wait_ready(timeout=240)
+        yield eng
+    finally:
+        pgid = eng.pid
+        await eng.stop()
+        assert pgid is not None
+        with pytest.raises(ProcessLookupError):  # nothing of the engine's process group is left
+            os.killpg(pgid, 0)
+
+
+async def collect(engine: VllmEngine, req: GenerateRequest) -> tuple[list[str], Finished]:
+    deltas: list[str] = []
+    async with contextlib.aclosing(engine.stream(req)) as items:
+        async for item in items:
+            if isinstance(item, TextDelta):
+                deltas.append(item.text)
+            else:
+                return deltas, item
+    raise AssertionError("no Finished")
+
+
+# ---- tests (file order matters: the last one kills the engine) ---------------------------------
+async def test_base_and_two_loras_equal_direct_vllm(
+        engine: VllmEngine, tiny: dict[str, Path], reference: dict[str, list[str]]) -> None:
+    await engine.load_adapter("a", tiny["a"])
+    await engine.load_adapter("b", tiny["b"])
+    assert engine.loaded_adapters() == ["a", "b"]
+    for adapter in [None, "a", "b", None, "b", "a"]:
+        for prompt, expected in zip(PROMPTS, reference[adapter or ""], strict=True):
+            text, fin = await engine.generate(GenerateRequest(prompt=prompt, adapter=adapter, **GREEDY))
+            assert text == expected, (adapter, prompt)
+            assert fin.finish_reason == "length" and fin.completion_tokens == 16 and fin.prompt_tokens > 0
+    assert len({tuple(v) for v in reference.values()}) == 3  # the adapters really change the output
+
+
+async def test_stream_deltas_concatenate_to_the_whole_text(
+        engine: VllmEngine, reference: dict[str, list[str]]) -> None:
+    deltas, fin = await collect(engine, GenerateRequest(prompt=PROMPTS[0], **GREEDY))
+    assert len(deltas) > 1 and all(deltas)
+    assert "".join(deltas) == reference[""][0]
+    assert fin == Finished("length", fin.prompt_tokens, 16)
+
+
+async def test_sampling_params_reach_the_engine(engine: VllmEngine, reference: dict[str, list[str]]) -> None:
+    full = reference[""][0]
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    text, fin = await engine.generate(GenerateRequest(prompt=PROMPTS[0], stop=[stop], **GREEDY))
+    assert fin.finish_reason == "stop" and full.startswith(text) and len(text) < len(full)
+    short, fin = await engine.generate(GenerateRequest(prompt=PROMPTS[0], max_tokens=3, temperature=0))
+    assert fin.completion_tokens == 3 and full.startswith(short)
+    sampled = [await engine.generate(GenerateRequest(prompt=PROMPTS[0], max_tokens=16, temperature=1.0,
+                                                     top_p=0.9, seed=s)) for s in (1, 1, 2)]
+    assert sampled[0][0] == sampled[1][0] != sampled[2][0]  # seeded sampling is reproducible
+
+
+async def test_chat_messages_get_the_chat_template(engine: VllmEngine, tiny: dict[str, Path]) -> None:
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    tok = AutoTokenizer.from_pretrained(tiny["base"])
+    rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    chat, chat_fin = await engine.generate(GenerateRequest(messages=messages, **GREEDY))
+    raw, raw_fin = await engine.generate(GenerateRequest(prompt=rendered, **GREEDY))
+    plain, _ = await engine.generate(GenerateRequest(prompt=messages[0]["content"], **GREEDY))
+    assert chat == raw != plain
+    assert chat_fin.prompt_tokens == raw_fin.prompt_tokens == len(tok(rendered, add_special_tokens=False).input_ids)
+
+
+async def test_runtime_adapter_load_and_unload_without_restart(
+        engine: VllmEngine, tiny: dict[str, Path], reference: dict[str, list[str]]) -> None:
+    pid = engine.pid
+    with pytest.raises(EngineRequestError) as err:
+        await engine.generate(GenerateRequest(prompt=PROMPTS[0], adapter="c", **GREEDY))
+    assert err.value.status == 404
+    await engine.load_adapter("c", tiny["c"])
+    text_c, _ = await engine.generate(GenerateRequest(prompt=PROMPTS[0], adapter="c", **GREEDY))
+    assert text_c not in (reference[""][0], reference["a"][0], reference["b"][0])
+    await engine.unload_adapter("c")
+    assert "c" not in engine.loaded_adapters()
+    with pytest.raises(EngineRequestError):
+        await engine.generate(GenerateRequest(prompt=PROMPTS[0], adapter="c", **GREEDY))
+    await engine.load_adapter("c2", tiny["c"])  # a promoted adapter under a new name
+    assert (await engine.generate(GenerateRequest(prompt=PROMPTS[0], adapter="c2", **GREEDY)))[0] == text_c
+    assert engine.pid == pid and engine.returncode is None
+
+
+async def test_concurrent_streams_all_finish(engine: VllmEngine, reference: dict[str, list[str]]) -> None:
+    reqs = [GenerateRequest(prompt=PROMPTS[i % 2], adapter=[None, "a", "b"][i % 3], **GREEDY) for i in range(12)]
+    results = await asyncio.gather(*(engine.generate(r) for r in reqs))
+    assert all(fin.completion_tokens == 16 for _, fin in results)
+    stats = await engine.stats()
+    assert stats["running"] == 0 and stats["waiting"] == 0 and 0 <= stats["kv_cache_usage"] <= 1
+
+
+async def _wait_idle(engine: VllmEngine) -> dict[str, float]:
+    for _ in range(100):
+        stats = await engine.stats()
+        if stats["running"] == 0 and stats["waiting"] == 0:
+            return stats
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"engine still busy: {stats}")
+
+
+@pytest.mark.parametrize("how", ["aclose", "cancel"])
+async def test_cancelled_stream_stops_generation_in_the_engine(engine: VllmEngine, how: str) -> None:
+    budget = MAX_MODEL_LEN - 16
+    rid = f"cancel-{how}-{uuid.uuid4().hex[:8]}"
+    req = GenerateRequest(prompt=PROMPTS[0], max_tokens=budget, temperature=0, request_id=rid,
+                          extra={"ignore_eos": True})
+    before = await _wait_idle(engine)
+    got: list[str] = []
+    if how == "aclose":
+        items = engine.stream(req)
+        async for item in items:
+            got.append(item.text if isinstance(item, TextDelta) else "")
+            break  # at the first delta: the tiny model needs only ~1.5 s for the whole budget
+        await items.aclose()
+    else:
+        first = asyncio.Event()
+
+        async def consume() -> None:
+            async for item in engine.stream(req):
+                got.append(item.text if isinstance(item, TextDelta) else "")
+                first.set()
+
+        task = asyncio.create_task(consume())
+        await asyncio.wait_for(first.wait(), 30)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    after = await _wait_idle(engine)
+    await asyncio.sleep(1.0)
+    later = await engine.stats()
+    generated = after["generation_tokens_total"] - before["generation_tokens_total"]
+    assert generated < budget, f"the engine generated all {budget} tokens: not aborted"
+    assert later["generation_tokens_total"] == after["generation_tokens_total"]
+    # vllm 0.32 does not count aborts in vllm:request_success_total{finished_reason="abort"}; its log says it.
+    log = engine.log_tail(400)
+    assert any(rid in line and "abort" in line.lower() for line in log.splitlines()), log[-2000:]
+
+
+async def test_requests_without_the_key_are_refused(engine: VllmEngine) -> None:
+    import httpx
+
+    assert engine.address.startswith("unix:")
+    transport = httpx.AsyncHTTPTransport(uds=engine.address.removeprefix("unix:"))
+    async with httpx.AsyncClient(transport=transport, base_url="http://engine") as anon:
+        for method, path in [("GET", "/health"), ("GET", "/metrics"), ("POST", "/v1/completions"),
+                             ("POST", "/invocations"), ("POST", "/tokenize"), ("POST", "/v1/load_lora_adapter")]:
+            resp = await anon.request(method, path, json={"model": "tiny", "prompt": "x"},
+                                      headers={"Authorization": "Bearer wrong"} if path == "/metrics" else None)
+            assert resp.status_code == 401, (path, resp.status_code)
+    assert oct(os.stat(os.path.dirname(engine.address.removeprefix("unix:"))).st_mode & 0o777) == "0o700"
+
+
+async def test_engine_that_cannot_start_raises_with_its_log(tmp_path: Path) -> None:
+    eng = VllmEngine(EngineConfig(model=str(tmp_path / "no-such-model"), max_model_len=MAX_MODEL_LEN))
+    await eng.start()
+    try:
+        with pytest.raises(EngineDied) as err:
+            await eng.wait_ready(timeout=120)
+        assert err.value.returncode not in (None, 0) and "no-such-model" in err.value.log_tail
+    finally:
+        await eng.stop()
+
+
+_ORPHAN_SCRIPT = """
+import asyncio, sys
+from lorafleet.sidecar.vllm_engine import EngineConfig, VllmEngine
+async def main():
+    eng = VllmEngine(EngineConfig(model=sys.argv[1], max_model_len=256, max_lora_rank=8, enforce_eager=True))
+    await eng.start()
+    await eng.wait_ready(240)
+    print("SERVER", eng.pid, eng.address.removeprefix("unix:"), flush=True)
+    await asyncio.sleep(600)
+asyncio.run(main())
+"""
+
+
+async def test_nothing_outlives_a_killed_worker(tiny: dict[str, Path], tmp_path: Path) -> None:
+    """A worker killed with SIGKILL cannot stop its engine: PR_SET_PDEATHSIG must take the tree down."""
+    script = tmp_path / "worker.py"
+    script.write_text(_ORPHAN_SCRIPT)
+    worker = await asyncio.create_subprocess_exec(sys.executable, str(script), str(tiny["base"]),
+                                                  stdout=subprocess.PIPE, start_new_session=True)
+    server, sock = None, None
+    try:
+        assert worker.stdout is not None
+        line = await asyncio.wait_for(worker.stdout.readline(), 300)
+        assert line.startswith(b"SERVER "), line
+        server, sock = int(line.split()[1]), Path(line.split()[2].decode())
+        os.killpg(server, 0)  # the engine's group is alive
+        worker.kill()
+        await worker.wait()
+        for _ in range(100):
+            try:
+                os.killpg(server, 0)
+            except ProcessLookupError:
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("engine processes outlived the worker that started them")
+    finally:
+        for pgid in (worker.pid, server):
+            with contextlib.suppress(ProcessLookupError, TypeError):
+                os.killpg(pgid, signal.SIGKILL)  # type: ignore[arg-type]
+        with contextlib.suppress(ProcessLookupError):
+            await worker.wait()
+        if sock is not None:  # the killed worker could not remove its run dir
+            shutil.rmtree(sock.parent, ignore_errors=True)
+
+
+async def test_killed_engine_mid_stream_raises_engine_died(engine: VllmEngine) -> None:
+    req = GenerateRequest(prompt=PROMPTS[0], max_tokens=MAX_MODEL_LEN - 16, temperature=0,
+                          extra={"ignore_eos": True})
+    assert engine.pid is not None
+    received = 0
+    with pytest.raises(EngineDied) as err:
+        async with contextlib.aclosing(engine.stream(req)) as items:
+            async for _ in items:
+                received += 1
+                if received == 1:
+                    os.kill(engine.pid, signal.SIGKILL)
+    assert received < MAX_MODEL_LEN - 16
+    assert err.value.returncode == -signal.SIGKILL
+    assert "engine log tail" in str(err.value)

@@ -1,0 +1,73 @@
+"""The retrieval task kind: a LoRA on a sentence-transformers model, judged by nDCG@10 against the base and BM25.
+
+Registered as `retrieval` in the entry-point group `lorafleet.tasks`. Heavy imports (torch,
+sentence-transformers, bm25s) happen inside the methods, so loading the kind is cheap.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar
+
+from lorafleet.device import resolve_device
+from lorafleet.metrics import prefixed
+from lorafleet.tasks import EpochCallback, MetricSpec, TaskKind, TrainResult
+from lorafleet.train.config import TrainConfig
+from lorafleet.train.dataset import RetrievalDataset
+
+
+class RetrievalKind(TaskKind):
+    """Query → statute section retrieval (or any corpus with queries and relevance judgements)."""
+
+    name: ClassVar[str] = "retrieval"
+    capability: ClassVar[str] = "embed"
+    bundle_kind: ClassVar[str] = "sentence-transformers"
+    metrics: ClassVar[MetricSpec] = MetricSpec(
+        objective="dev_ndcg@10", direction="maximize", baseline="bm25", baseline_label="BM25", label="nDCG@10",
+        table=("test_ndcg@10", "base_test_ndcg@10", "dev_ndcg@10"),
+        report=("ndcg@10", "mrr@10", "recall@1", "recall@10", "recall@100", "map@100"),
+    )
+    config_model: ClassVar[type[TrainConfig]] = TrainConfig
+
+    def dataset_key(self, cfg: TrainConfig) -> str:
+        # The corpus is chunked to the model's length, so the chunk length shapes the data too.
+        return super().dataset_key(cfg) + f"|{cfg.max_seq_length}"
+
+    def build_dataset(self, cfg: TrainConfig) -> RetrievalDataset:
+        from lorafleet.train.dataset import build_dataset
+
+        return build_dataset(cfg)
+
+    def baselines(self, cfg: TrainConfig, dataset: RetrievalDataset) -> dict[str, float]:
+        from lorafleet.train.evaluate import BM25Evaluator, DenseEvaluator
+        from lorafleet.train.trainer import load_base_model
+
+        model = load_base_model(cfg.base_model, resolve_device(cfg.device), cfg.max_seq_length)
+        base = DenseEvaluator(dataset, cfg.eval_batch_size).evaluate(model, ["dev", "test"])
+        bm25 = BM25Evaluator(dataset).evaluate(["dev", "test"])
+        return {**prefixed(base, "base"), **prefixed(bm25, "bm25")}
+
+    def train(self, cfg: TrainConfig, dataset: RetrievalDataset, out_dir: Path, *,
+              on_epoch: EpochCallback | None = None) -> TrainResult:
+        from lorafleet.train.trainer import train_adapter
+
+        return train_adapter(cfg, dataset, out_dir, on_epoch=on_epoch)
+
+    def evaluate(self, cfg: TrainConfig, dataset: RetrievalDataset, adapter_dir: Path, split: str
+                 ) -> dict[str, float]:
+        from lorafleet.train.evaluate import evaluate_model
+        from lorafleet.train.trainer import load_adapter_model
+
+        model = load_adapter_model(cfg.base_model, Path(adapter_dir), resolve_device(cfg.device), cfg.max_seq_length)
+        return evaluate_model(model, dataset, split, cfg.eval_batch_size)
+
+    def run(self, cfg: TrainConfig, out_dir: Path | None = None, *, log_mlflow: bool = True,
+            run_name: str | None = None) -> TrainResult:
+        from lorafleet.train.run import run_train
+
+        return run_train(cfg, out_dir, log_mlflow=log_mlflow, mlflow_run_name=run_name)
+
+    def bundle_details(self, cfg: TrainConfig) -> dict[str, Any]:
+        # Pooling and normalisation are read from the base folder by the registry (bundle kind
+        # sentence-transformers); the chunk length is a training choice only the config knows.
+        return {"max_seq_length": cfg.max_seq_length}
