@@ -106,7 +106,6 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=None, help="Trial cap of both arms (default 10, quick 5).")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "research.json")
     args = parser.parse_args()
-    os.environ.setdefault("LORAFLEET_DATA_DIR", str(REPO.parent / "shared" / "data"))
     trials = args.trials or (5 if args.quick else 10)
     load0 = os.getloadavg()
     arms = [

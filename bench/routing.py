@@ -60,6 +60,7 @@ from lorafleet.bench.common import (
 )
 from lorafleet.bench.synth_worker import SLOWDOWN_ENV, model_of
 from lorafleet.config import BaseModelSpec, FleetConfig, QueueConfig, ServingProfile, WorkerConfig
+from lorafleet.nats_auth import options_from_env
 from lorafleet.tune.loadgen import LoadResult, open_loop_calls, poisson_schedule
 from lorafleet.wire import HDR_MSG_ID, Heartbeat, Result, Task, consumer_name, work_subject
 
@@ -428,7 +429,7 @@ async def run_scenario(sc: Scenario, nats_url: str, work: Path, profile: Serving
     rates = [round(f * cap, 1) for f in fractions]
     overload = round(sc.overload * cap, 1)
     say(f"  {sc.name}: {sc.description}; nominal capacity {cap:.0f}/s; SLO p99 ≤ {sc.slo_ms:g} ms")
-    nc = await nats.connect(nats_url, max_reconnect_attempts=3)
+    nc = await nats.connect(nats_url, max_reconnect_attempts=3, **options_from_env())  # admin, if auth is on
     driver = Driver(nc, queue)
     await driver.start()
     policies: dict[str, Any] = {}

@@ -4,7 +4,9 @@ Same packaged all-MiniLM-L6-v2, same inputs (German statute sentences of 5–20 
 request), same load generator (lorafleet.tune.loadgen, closed loop) against:
 
 - raw: in-process `SentenceTransformer.encode` at batch 1 and at its best batch size (the ceiling);
-- lorafleet: the local cluster (nats-server + gateway + 1 worker), `POST /v1/encode/{model}`;
+- lorafleet: the local cluster (nats-server + gateway + 1 worker), `POST /v1/encode/{model}`, as `lorafleet up`
+  starts it (NATS authentication on); `lorafleet-tls` the same with TLS on every NATS connection, and
+  `lorafleet-open` without authentication (`--insecure-no-auth`): what security costs, side by side;
 - naive: a uvicorn app that encodes each request alone on arrival (bench/naive_server.py);
 - infinity: infinity-emb 0.0.78 in its own venv (bench/infinity.py; installed on first use).
 
@@ -12,6 +14,10 @@ Only one server runs at a time. Each is checked to return the raw model's embedd
 (cosine > 0.999) before it is timed. Raw encode is measured again at the end to show drift.
 
     python -m lorafleet.bench.serve [--quick] [--contenders lorafleet,naive,infinity] [--point-s 8]
+    python -m lorafleet.bench.serve --contenders lorafleet-open,lorafleet-tls,lorafleet-open,lorafleet-tls \
+        --concurrency 1 --concurrency 32          # auth+TLS against none, alternated (medians compared)
+
+A contender named twice is measured twice (`name#2`), so two variants can alternate against drift.
 """
 
 from __future__ import annotations
@@ -51,7 +57,9 @@ from lorafleet.tune.loadgen import LoadResult, Target, closed_loop
 
 MODEL_NAME = "all-MiniLM-L6-v2"
 COSINE_MIN = 0.999
-ALL_CONTENDERS = ("lorafleet", "naive", "infinity")
+ALL_CONTENDERS = ("lorafleet", "lorafleet-tls", "lorafleet-open", "naive", "infinity")
+SECURITY = {"lorafleet-open": {"auth": False, "tls": False}, "lorafleet": {"auth": True, "tls": False},
+            "lorafleet-tls": {"auth": True, "tls": True}}
 
 
 # -- raw encode ---------------------------------------------------------------------------------
@@ -178,18 +186,19 @@ def thread_env(threads: int) -> dict[str, str]:
     return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
 
 
-def start_lorafleet(work: Path, profile: dict[str, Any] | None, threads: int) -> Contender:
+def start_lorafleet(work: Path, profile: dict[str, Any] | None, threads: int, name: str = "lorafleet") -> Contender:
+    from lorafleet.cluster import LocalCluster
     from lorafleet.config import FleetConfig, GatewayConfig, ServingProfile, WorkerConfig
     from lorafleet.nats_server import free_port
-    from lorafleet.serve.cluster import LocalCluster
 
     prof = ServingProfile(**(profile or {}))
     fleet = FleetConfig(gateway=GatewayConfig(port=0, default_deadline_s=60.0),
                         worker=WorkerConfig(profile=prof, device="cpu"))
     t0 = time.monotonic()
-    cluster = LocalCluster(fleet, workers=1, port=0, home=work / "lorafleet", nats_port=free_port(),
-                           extra_env=thread_env(threads)).start(timeout=240)
-    c = Contender("lorafleet", cluster.host, cluster.port, f"/v1/encode/{MODEL_NAME}", "application/msgpack",
+    home = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=work))
+    cluster = LocalCluster(fleet, workers=1, port=0, home=home, nats_port=free_port(),
+                           extra_env=thread_env(threads), **SECURITY[name]).start(timeout=240)
+    c = Contender(name, cluster.host, cluster.port, f"/v1/encode/{MODEL_NAME}", "application/msgpack",
                   _msgpack_body, _msgpack_vectors, cluster.stop)
     c.started_s = time.monotonic() - t0
     return c
@@ -298,6 +307,11 @@ def summarise(raw: dict[str, Any], systems: dict[str, dict[str, Any]]) -> dict[s
                                          if p1 and naive1 and name != "naive" else None),
         }
     targets: dict[str, Any] = {}
+    security = security_cost(pts_of)
+    if security:
+        out["security"] = security
+        targets["auth_tls_within_3pct_c32_and_0.5ms_c1"] = {
+            k: security[k] for k in ("c32_throughput_ratio", "c1_p50_delta_ms")} | {"met": security["met"]}
     lfp = pts_of.get("lorafleet")
     if lfp:
         ratios = out["lorafleet"]["ratio_to_raw_best"]
@@ -323,6 +337,31 @@ def summarise(raw: dict[str, Any], systems: dict[str, dict[str, Any]]) -> dict[s
                                                           "met": all(v["met"] for v in per_c.values())}
     out["targets"] = targets
     return out
+
+
+def _median(xs: list[float]) -> float | None:
+    return round(float(np.median(xs)), 2) if xs else None
+
+
+def security_cost(pts_of: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any] | None:
+    """lorafleet-tls (auth + TLS) against lorafleet-open (neither), medians over their runs: throughput at
+    c=32 and p50 at c=1. Targets: at most 3 % lower throughput, at most +0.5 ms."""
+    def runs(base: str, level: int, key: str) -> list[float]:
+        return [pts[level][key] for name, pts in pts_of.items()
+                if name.split("#")[0] == base and level in pts and pts[level][key] is not None]
+
+    tls32, open32 = _median(runs("lorafleet-tls", 32, "throughput_rps")), _median(runs("lorafleet-open", 32,
+                                                                                        "throughput_rps"))
+    tls1, open1 = _median(runs("lorafleet-tls", 1, "p50_ms")), _median(runs("lorafleet-open", 1, "p50_ms"))
+    if None in (tls32, open32) and None in (tls1, open1):
+        return None
+    ratio = round(tls32 / open32, 3) if tls32 and open32 else None
+    delta = round(tls1 - open1, 2) if tls1 is not None and open1 is not None else None
+    return {"c32_rps": {"tls": tls32, "open": open32}, "c1_p50_ms": {"tls": tls1, "open": open1},
+            "c32_throughput_ratio": ratio, "c1_p50_delta_ms": delta,
+            "runs": {"tls": len(runs("lorafleet-tls", 32, "throughput_rps") or runs("lorafleet-tls", 1, "p50_ms")),
+                     "open": len(runs("lorafleet-open", 32, "throughput_rps") or runs("lorafleet-open", 1, "p50_ms"))},
+            "met": (ratio is None or ratio >= 0.97) and (delta is None or delta <= 0.5)}
 
 
 def print_table(result: dict[str, Any]) -> None:
@@ -397,6 +436,11 @@ def main(argv: list[str] | None = None) -> int:
     contenders = (args.contenders.split(",") if args.contenders else
                   (["lorafleet", "naive"] if quick else list(ALL_CONTENDERS)))
     unknown = [c for c in contenders if c not in ALL_CONTENDERS]
+    seen: dict[str, int] = {}
+    keys = []  # a contender named twice is measured twice: name, name#2, …
+    for c in contenders:
+        seen[c] = seen.get(c, 0) + 1
+        keys.append(c if seen[c] == 1 else f"{c}#{seen[c]}")
     if unknown:
         print(f"error: unknown contender(s) {unknown}; choose from {ALL_CONTENDERS}", file=sys.stderr)
         return 2
@@ -437,29 +481,30 @@ def main(argv: list[str] | None = None) -> int:
     systems: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="lorafleet-bench-serve-") as tmp:
         work = Path(tmp)
-        for name in contenders:
+        for key, name in zip(keys, contenders, strict=True):
             # Raw encode again right before each system: the ratios use it, since a shared machine drifts.
-            say(f"raw encode before {name}…")
+            say(f"raw encode before {key}…")
             adjacent = measure_raw(model, texts, sorted({1, raw_start["best_batch"]}), raw_s)
-            say(f"{name}: starting…")
+            say(f"{key}: starting…")
             try:
-                if name == "lorafleet":
-                    c = start_lorafleet(work, profile, threads)
+                if name in SECURITY:
+                    c = start_lorafleet(work, profile, threads, name)
                 elif name == "naive":
                     c = start_naive(work, model_dir, threads)
                 else:
                     c = start_infinity(work, model_dir, args.infinity_batch_size, threads)
             except Exception as exc:  # a contender that cannot run is reported, not fatal
-                say(f"{name}: could not start: {exc}")
-                systems[name] = {"error": f"could not start: {exc}"}
+                say(f"{key}: could not start: {exc}")
+                systems[key] = {"error": f"could not start: {exc}"}
                 continue
             try:
                 cos = check_embeddings(c, check_texts, ref)
                 say(f"  {name}: ready in {c.started_s:.1f}s; min cosine to raw encode {cos:.6f}")
                 entry: dict[str, Any] = {"startup_s": round(c.started_s, 1), "min_cosine": round(cos, 6),
                                          "endpoint": c.path, "raw_adjacent": adjacent}
-                if name == "lorafleet":
+                if name in SECURITY:
                     entry["profile"] = ServingProfile(**profile).model_dump()
+                    entry["nats"] = SECURITY[name]
                 if name == "infinity":
                     entry["batch_size"] = args.infinity_batch_size
                 if cos <= COSINE_MIN:
@@ -467,10 +512,10 @@ def main(argv: list[str] | None = None) -> int:
                     say(f"  {name}: {entry['error']}; not timed")
                 else:
                     entry["points"] = measure_contender(c, texts, concurrencies, point_s, warmup_s)
-                systems[name] = entry
+                systems[key] = entry
             except Exception as exc:
-                say(f"{name}: failed: {exc}")
-                systems[name] = {"error": str(exc)}
+                say(f"{key}: failed: {exc}")
+                systems[key] = {"error": str(exc)}
             finally:
                 c.stop()
     say("raw in-process encode again (drift check)…")

@@ -13,6 +13,7 @@ Each arm runs in its own process, so its peak memory (ru_maxrss) is its own. Tra
 the configured epochs or when the time budget is spent, whichever comes first.
 
     python -m lorafleet.bench.train [--quick] [--epochs 2] [--budget-s 240]
+    python -m lorafleet.bench.train --kind generation [--quick]     (bench/train_generation.py)
 """
 
 from __future__ import annotations
@@ -194,10 +195,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="Two small laws, 1 epoch, short sequences (under a minute).")
     p.add_argument("--epochs", type=int, default=None, help="Epochs per arm (default 2; quick 1).")
     p.add_argument("--budget-s", type=float, default=None, help="Training time budget per arm (default 150; quick 30).")
+    p.add_argument("--kind", choices=("retrieval", "generation"), default="retrieval",
+                   help="Task kind: retrieval (MiniLM, nDCG@10) or generation (SmolLM2, chrF).")
     p.add_argument("--arms", default=None,
                    help="Comma-separated subset of base,lora,full (default all; quick lora,full).")
     p.add_argument("--threads", type=int, default=None, help="torch threads per arm (default: the number of CPUs).")
-    p.add_argument("--out", type=Path, default=RESULTS_DIR / "train.json")
+    p.add_argument("--out", type=Path, default=None, help="Result JSON (default bench/results/train.json, "
+                   "train-generation.json for --kind generation).")
     p.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)  # child mode
     p.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--work", type=Path, help=argparse.SUPPRESS)
@@ -208,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     epochs = args.epochs or (1 if args.quick else 2)
     threads = args.threads or os.cpu_count() or 1
     budget_s = args.budget_s or (30.0 if args.quick else 150.0)
+    if args.kind == "generation":
+        return _generation(args, threads)
+    args.out = args.out or RESULTS_DIR / "train.json"
     if args.arm:  # child: one arm, result to --child-out
         import logging
 
@@ -259,6 +266,44 @@ def main(argv: list[str] | None = None) -> int:
     write_json(args.out, result)
     print_table(result)
     print(f"\nwrote {args.out} ({result['wall_s']:.0f}s)")
+    return 0 if all("error" not in r for r in results.values()) else 1
+
+
+def _generation(args: argparse.Namespace, threads: int) -> int:
+    from lorafleet.bench import train_generation as gen
+
+    if args.arm:  # child: one arm, result to --child-out
+        import logging
+
+        logging.basicConfig(level=logging.WARNING)
+        args.child_out.write_text(json.dumps(gen.run_arm(args.arm, args.quick, args.work, threads)))
+        return 0
+    arms = args.arms.split(",") if args.arms else list(gen.ARMS)
+    if [a for a in arms if a not in gen.ARMS] or (arms and "full" in arms and "lora" not in arms):
+        print(f"error: --kind generation takes arms from {gen.ARMS} (full needs lora: it takes the LoRA's step "
+              "count)", file=sys.stderr)
+        return 2
+    info = machine_info()
+    say(f"bench/train --kind generation: arms {arms}; {threads} torch thread(s); load average {info['loadavg_start']}")
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="lorafleet-bench-gen-") as tmp:
+        results = gen.run(arms, args.quick, threads, Path(tmp), timeout_s=900 if args.quick else 5400)
+    cfg = gen.config(args.quick)
+    result = {
+        "benchmark": "train", "kind": "generation", "when": stamp(), "quick": args.quick,
+        "machine": {**info, "loadavg_end": loadavg()},
+        "setup": {"torch_threads": threads, "base_model": cfg.base_model, "laws": cfg.data.laws,
+                  "train_examples": cfg.data.max_train_examples, "epochs": cfg.epochs, "batch_size": cfg.batch_size,
+                  "lora": cfg.lora.model_dump(), "lora_learning_rate": cfg.learning_rate,
+                  "full_learning_rate": gen.FULL_LR, "steps": "the LoRA's (one run of the config)", "seed": cfg.seed},
+        "arms": results, "ratios": gen.ratios(results), "wall_s": round(time.monotonic() - t0, 1),
+    }
+    out = args.out or RESULTS_DIR / ("train-generation-quick.json" if args.quick else "train-generation.json")
+    write_json(out, result)
+    gen.print_table(results)
+    for k, v in result["ratios"].items():
+        print(f"{k}: {v}")
+    print(f"\nwrote {out} ({result['wall_s']:.0f}s)")
     return 0 if all("error" not in r for r in results.values()) else 1
 
 

@@ -5,6 +5,11 @@ An adapter URI is a plain path, `file://…`, or `<scheme>:…` for a scheme tha
 entry points in the group `lorafleet.adapter_sources`; each names a function `uri -> Path`.
 Workers only ever call `resolve_adapter_uri`, so the sidecar never imports the registry.
 
+Workers accept only an allow-list (`AdapterPolicy`): registry references through an allowed plugin
+scheme (`models:/NAME/N`, downloaded and verified by digest) and folders under configured local
+roots. Any other URI — a forged task's, a tampered fleet entry's — is refused with one message
+whatever it names, so a refusal never tells whether a path exists.
+
 Failures are of two kinds on purpose: `AdapterUnavailable` means the adapter cannot exist for this
 worker (unknown scheme, no such folder, not a peft adapter, a tampered bundle) and retrying will
 not help; any other exception (store unreachable, I/O error) is transient and the task is retried.
@@ -14,7 +19,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
@@ -64,6 +69,63 @@ def resolve_adapter_uri(uri: str) -> Path:
     path = path.expanduser()
     check_adapter_dir(path, uri)
     return path.resolve()
+
+
+def local_path_of(uri: str) -> Path | None:
+    """The local path a plain path or `file://` URI names (unresolved); None for a plugin scheme."""
+    m = _SCHEME_RE.match(uri)
+    if m and m.group(1).lower() != "file":
+        return None
+    return (file_uri(uri) if m else Path(uri)).expanduser()
+
+
+def _clip(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
+
+
+class AdapterPolicy:
+    """The adapter URIs one worker accepts: `schemes` (plugin sources that verify what they fetch, default
+    the registry's `models:`) and local folders under `roots`. Paths are compared after resolving `..`
+    and symbolic links, so neither leads out of a root."""
+
+    def __init__(self, roots: Iterable[str | Path] = (), schemes: Iterable[str] = ("models",)) -> None:
+        self.roots = tuple(dict.fromkeys(Path(r).expanduser().resolve() for r in roots))
+        self.schemes = frozenset(s.lower() for s in schemes)
+
+    def _refuse(self, uri: str) -> AdapterUnavailable:
+        allowed = ", ".join(f"{s}:…" for s in sorted(self.schemes)) or "no registry scheme"
+        return AdapterUnavailable(f"adapter URI {_clip(uri)!r} is not allowed on this worker: it loads adapters "
+                                  f"only from {allowed} references or folders under its adapter roots "
+                                  "(worker.adapter_roots)")
+
+    def local_path(self, uri: str) -> Path | None:
+        """The resolved local folder a plain path or file:// URI names, if it lies under a root; else None."""
+        try:
+            path = local_path_of(uri)
+            if path is None:
+                return None
+            resolved = path.resolve()  # a relative path is taken from the working folder, `..` and links followed
+        except (OSError, RuntimeError, ValueError):  # a symlink loop, an embedded NUL
+            return None
+        return resolved if any(resolved.is_relative_to(root) for root in self.roots) else None
+
+    def resolve(self, uri: str) -> Path:
+        """Like `resolve_adapter_uri`, limited to the allow-list; a refusal never depends on what exists."""
+        if not uri:
+            raise AdapterUnavailable("empty adapter URI")
+        m = _SCHEME_RE.match(uri)
+        if m and m.group(1).lower() != "file":
+            if m.group(1).lower() not in self.schemes:
+                raise self._refuse(uri)
+            return resolve_adapter_uri(uri)
+        path = self.local_path(uri)
+        if path is None:
+            raise self._refuse(uri)
+        try:
+            check_adapter_dir(path)
+        except AdapterUnavailable:
+            raise AdapterUnavailable(f"no usable peft adapter at {_clip(uri)!r}") from None
+        return path
 
 
 def check_adapter_dir(path: Path, origin: str | None = None) -> None:

@@ -1,99 +1,99 @@
-"""The local process supervisor: embedded nats-server, N worker processes and one gateway on one machine.
+"""The local cluster: embedded nats-server, N worker processes and one gateway on one machine, supervised.
 
 Every part runs in its own process group under LORAFLEET_HOME, so `lorafleet down` (or the
 test that started it) stops exactly what it started and nothing else. The CLI (`lorafleet up`),
 tune (a private cluster per sweep), tests and benchmarks drive it through its public methods;
 the parts are started as `python -m lorafleet.sidecar` / `python -m lorafleet.serve`, so this
 core module imports no stage.
+
+Security by default (docs/security.md): nats-server runs with authentication on; the role
+credentials live in `<home>/creds` (0600) and each part gets only its own (gateway, worker);
+the admin credential applies the layout (streams, fleet bucket) at start. `tls=True` adds a
+private CA and a TLS-only server. `auth=False` is the old open server (`--insecure-no-auth`).
+
+With `supervise=True` a supervisor thread (supervisor.py) restarts a part that exits, with back-off.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 import httpx
 import yaml
 
-from lorafleet import heartbeats, settings
+from lorafleet import settings
+from lorafleet.cluster_state import STATE_FILE, ClusterError, ClusterState, collect_status, down
 from lorafleet.config import FleetConfig, load_yaml_model
+from lorafleet.fleet_state import ensure_fleet_bucket
+from lorafleet.nats_auth import TlsFiles
+from lorafleet.nats_client import ClientSettings, quiet_tls_noise
 from lorafleet.nats_server import NatsServer, free_port, port_open
-from lorafleet.queue import queue_depth
+from lorafleet.nats_tls import issue_certificate, make_self_signed_ca
+from lorafleet.processes import find_parts, pid_alive, stop_group
+from lorafleet.queue import ensure_fleet_streams
+from lorafleet.supervisor import RestartPolicy, Supervisor
 
-STATE_FILE = "cluster.json"
+__all__ = ["ClusterError", "ClusterState", "LocalCluster", "collect_status", "down", "load_fleet", "pid_alive",
+           "stop_group"]
 
-
-class ClusterError(RuntimeError):
-    """The local cluster could not be started, found or stopped; the message says why."""
-
-
-@dataclass
-class ClusterState:
-    """What `lorafleet up` leaves in LORAFLEET_HOME/cluster.json for `down` and `status`."""
-
-    home: str
-    nats_url: str
-    gateway_url: str
-    fleet_file: str
-    pids: dict[str, int] = field(default_factory=dict)  # part name → pid (= its process group)
-    started: float = field(default_factory=time.time)
-
-    def save(self, path: Path) -> None:
-        path.write_text(json.dumps(asdict(self), indent=2))
-
-    @classmethod
-    def load(cls, home: Path) -> ClusterState:
-        path = home / STATE_FILE
-        if not path.is_file():
-            raise ClusterError(f"no local cluster is recorded under {home} (start one with `lorafleet up`)")
-        return cls(**json.loads(path.read_text()))
+ROLE_OF_PART = {"gateway": "gateway"}  # every other part but nats-server is a worker
 
 
-def pid_alive(pid: int) -> bool:
+def run_async(coro: Coroutine[Any, Any, Any]) -> Any:
+    """Run a coroutine to the end from sync code, even when the calling thread runs an event loop."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = asyncio.run(coro)
+        except BaseException as exc:
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name="lorafleet-cluster-async")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+async def apply_layout(url: str, options: dict[str, Any], fleet: FleetConfig) -> None:
+    """With the admin credential: the streams as the fleet file says (created or reconfigured), the fleet bucket."""
+    import nats
+
+    quiet_tls_noise()
+    nc = await nats.connect(url, allow_reconnect=False, connect_timeout=5, **options)
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie child still answers kill(0); treat it as gone.
-    with contextlib.suppress(Exception), open(f"/proc/{pid}/stat") as fh:
-        if fh.read().split(")")[-1].split()[0] == "Z":
-            return False
-    return True
-
-
-def stop_group(pid: int, timeout: float, name: str = "") -> None:
-    """SIGTERM the process group led by `pid`, SIGKILL it after `timeout` seconds."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and pid_alive(pid):
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, os.WNOHANG)
-        time.sleep(0.05)
-    if pid_alive(pid):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pid, signal.SIGKILL)
-    with contextlib.suppress(ChildProcessError):
-        os.waitpid(pid, 0)
+        js = nc.jetstream()
+        await ensure_fleet_streams(js, fleet, update=True)
+        await ensure_fleet_bucket(js)
+    finally:
+        await nc.close()
 
 
 class LocalCluster:
-    """Starts and stops the parts of a one-machine cluster; usable from the CLI, tests and benchmarks."""
+    """Starts, supervises and stops the parts of a one-machine cluster; used by the CLI, tests and benchmarks."""
 
     def __init__(self, fleet: FleetConfig | None = None, *, workers: int = 1, port: int | None = None,
                  home: Path | None = None, nats_port: int | None = None, host: str = "127.0.0.1",
-                 extra_env: dict[str, str] | None = None) -> None:
+                 extra_env: dict[str, str] | None = None, auth: bool = True, tls: bool = False,
+                 supervise: bool = False, on_event: Callable[[str], None] | None = None,
+                 restart_policy: RestartPolicy | None = None, supervisor_pid: int | None = None) -> None:
         if workers < 0:
             raise ClusterError("--workers must be 0 or more")
+        if tls and not auth:
+            raise ClusterError("TLS without authentication protects nothing worth it: drop --insecure-no-auth")
         self.fleet = (fleet or FleetConfig()).model_copy(deep=True)
         self.workers = workers
         self.home = (home or settings.home()).resolve()
@@ -103,54 +103,100 @@ class LocalCluster:
             self.port = free_port(host)
         self.nats_port = nats_port
         self.extra_env = extra_env or {}
+        self.auth, self.tls = auth, tls
+        self.supervise, self.on_event = supervise, on_event
+        self.restart_policy = restart_policy or RestartPolicy()
+        # The CLI's `up` process, recorded so `lorafleet down` can stop it first (never a test runner's pid).
+        self.supervisor_pid = supervisor_pid
         self.nats: NatsServer | None = None
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.state: ClusterState | None = None
+        self.supervisor: Supervisor | None = None
+        self._argv: dict[str, list[str]] = {}
+        self._lock = threading.RLock()
+
+    @property
+    def _local_host(self) -> str:
+        """Where this machine's own parts reach a server listening on `host` (loopback for a wildcard)."""
+        return "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
 
     @property
     def gateway_url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"http://{self._local_host}:{self.port}"
 
     @property
     def nats_url(self) -> str:
         assert self.nats is not None
-        return self.nats.url
+        return self.nats.url.replace(f"//{self.host}:", f"//{self._local_host}:")
+
+    def client(self, role: str | None = "admin") -> ClientSettings:
+        """The credential of `role` (and the CA) for this cluster's NATS; none without auth."""
+        assert self.state is not None, "start the cluster first"
+        return self.state.client(role)
+
+    def client_options(self, role: str | None = "admin") -> dict[str, Any]:
+        """`nats.connect(cluster.nats_url, **cluster.client_options("worker"))`."""
+        return self.client(role).options()
 
     # -- starting ---------------------------------------------------------------------------
 
-    def start(self, timeout: float = 180.0, progress: bool = False) -> LocalCluster:
-        state_path = self.home / STATE_FILE
-        if state_path.exists():
+    def _check_not_running(self) -> None:
+        running = {n: p for n, p in find_parts(self.home).items()}
+        if (self.home / STATE_FILE).exists():
             old = ClusterState.load(self.home)
-            if any(pid_alive(p) for p in old.pids.values()):
-                raise ClusterError(
-                    f"a cluster is already running under {self.home} (gateway {old.gateway_url}); "
-                    "stop it with `lorafleet down`"
-                )
-            state_path.unlink()
+            if old.supervisor_pid and old.supervisor_pid != os.getpid() and pid_alive(old.supervisor_pid):
+                running.setdefault("supervisor", old.supervisor_pid)
+        if running:
+            raise ClusterError(f"a cluster is already running under {self.home} ({', '.join(sorted(running))}); "
+                               "stop it with `lorafleet down`")
+        (self.home / STATE_FILE).unlink(missing_ok=True)
+
+    def _server_tls(self) -> TlsFiles:
+        """A private CA and a server certificate for this host's names (remote workers need one of them)."""
+        ca = make_self_signed_ca(self.home / "tls")
+        names = ["localhost", "127.0.0.1", socket.gethostname(), socket.getfqdn()]
+        if self.host not in ("0.0.0.0", "::", ""):
+            names.append(self.host)
+        return issue_certificate(ca, self.home / "tls", "nats-server", hosts=tuple(dict.fromkeys(names)))
+
+    def start(self, timeout: float = 180.0, progress: bool = False) -> LocalCluster:
+        self._check_not_running()
         if port_open(self.host, self.port):
             raise ClusterError(f"port {self.port} is already in use; choose another with --port")
-        logs = self.home / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
+        (self.home / "logs").mkdir(parents=True, exist_ok=True)
         try:
-            self._say(progress, "starting nats-server (JetStream)…")
+            what = "with authentication" + (" and TLS" if self.tls else "") if self.auth else "WITHOUT authentication"
+            self._say(progress, f"starting nats-server (JetStream, {what})…")
             nats_port = self.nats_port or (4222 if not port_open(self.host, 4222) else free_port(self.host))
+            tls = self._server_tls() if self.tls else None
             self.nats = NatsServer(self.home / "nats", port=nats_port, host=self.host,
-                                   log_file=logs / "nats-server.log").start()
-            self.fleet.nats_url = self.nats.url
+                                   log_file=self.home / "logs" / "nats-server.log",
+                                   creds=self.home / "creds" if self.auth else None, tls=tls).start()
+            assert self.nats.proc is not None
+            self.fleet.nats_url = self.nats_url
             self.fleet.gateway.port = self.port
             fleet_file = self._write_fleet_file()
-            self.state = ClusterState(home=str(self.home), nats_url=self.nats.url, gateway_url=self.gateway_url,
-                                      fleet_file=str(fleet_file), pids={"nats-server": self.nats.proc.pid})
+            tls_files = {k: str(v) for k, v in (("ca", tls.ca), ("cert", tls.cert), ("key", tls.key)) if v} if tls \
+                else None
+            self.state = ClusterState(
+                home=str(self.home), nats_url=self.nats_url, gateway_url=self.gateway_url, fleet_file=str(fleet_file),
+                pids={"nats-server": self.nats.proc.pid}, auth=self.auth, tls=tls_files,
+                supervisor_pid=self.supervisor_pid)
+            run_async(apply_layout(self.nats_url, self.client_options("admin"), self.fleet))
             for i in range(self.workers):
                 self.start_worker(f"worker-{i + 1}")
             self._say(progress, f"starting {self.workers} worker(s) and the gateway…")
             self._spawn("gateway", [sys.executable, "-m", "lorafleet.serve", "--fleet", str(fleet_file),
-                                    "--nats-url", self.nats.url, "--host", self.host, "--port", str(self.port)])
+                                    "--nats-url", self.nats_url, "--host", self.host, "--port", str(self.port)])
             self.wait_ready(timeout=timeout, workers=self.workers)
+            with self._lock:
+                self.state.ready = True
+                self._save()
         except BaseException:
             self.stop()
             raise
+        if self.supervise:
+            self.supervisor = Supervisor(self, self.restart_policy, on_event=self.on_event).start()
         return self
 
     def start_worker(self, name: str) -> subprocess.Popen[bytes]:
@@ -161,37 +207,49 @@ class LocalCluster:
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
         assert self.state is not None
         log_path = self.home / "logs" / f"{name}.log"
-        env = {**os.environ, **self.extra_env, "LORAFLEET_HOME": str(self.home), "PYTHONUNBUFFERED": "1"}
-        with open(log_path, "ab") as log:
+        env = {**os.environ, **self.extra_env, "LORAFLEET_HOME": str(self.home), "PYTHONUNBUFFERED": "1",
+               **self.state.client(ROLE_OF_PART.get(name, "worker")).env()}
+        with self._lock, open(log_path, "ab") as log:
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=env, start_new_session=True)
-        self.procs[name] = proc
-        self.state.pids[name] = proc.pid
-        self.state.save(self.home / STATE_FILE)
+            self.procs[name] = proc
+            self._argv[name] = argv
+            self.state.pids[name] = proc.pid
+            self._save()
         return proc
+
+    def _save(self) -> None:
+        assert self.state is not None
+        self.state.save(self.home / STATE_FILE)
 
     def _say(self, on: bool, text: str) -> None:
         if on:
             print(text, file=sys.stderr, flush=True)
 
     def _check_alive(self) -> None:
-        for name, proc in self.procs.items():
+        for name, proc in list(self.procs.items()):
             if proc.poll() is not None:
                 tail = _tail(self.home / "logs" / f"{name}.log")
                 raise ClusterError(f"{name} exited with code {proc.returncode} while starting; log tail:\n{tail}")
+
+    def readyz(self) -> tuple[int, dict[str, Any]]:
+        """The gateway's /readyz: (status code, body); (0, {}) when it does not answer."""
+        try:
+            r = httpx.get(f"{self.gateway_url}/readyz", timeout=2.0)
+            return r.status_code, r.json()
+        except (httpx.HTTPError, ValueError):
+            return 0, {}
 
     def wait_ready(self, timeout: float = 180.0, workers: int | None = None) -> None:
         """Until the gateway answers /readyz and `workers` workers have sent a heartbeat for every base."""
         want = self.workers if workers is None else workers
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            self._check_alive()
-            try:
-                r = httpx.get(f"{self.gateway_url}/readyz", timeout=2.0)
-                if r.status_code == 200 and _workers_ready(r.json(), self.fleet, want):
-                    return
-            except (httpx.HTTPError, ValueError):
-                pass
+            if self.supervisor is None:  # supervised parts that exit are restarted, not fatal
+                self._check_alive()
+            code, body = self.readyz()
+            if (code == 200 or want == 0) and _workers_ready(body, self.fleet, want):
+                return
             time.sleep(0.2)
         raise ClusterError(f"the cluster was not ready within {timeout:.0f}s; logs are in {self.home / 'logs'}")
 
@@ -205,18 +263,58 @@ class LocalCluster:
         return self.home / "logs" / f"{name}.log"
 
     def pid(self, name: str) -> int:
-        """The process id (= process group) of a running part: 'gateway', 'worker-1', …"""
+        """The process id (= process group) of a running part: 'gateway', 'worker-1', 'nats-server', …"""
+        if name == "nats-server":
+            assert self.nats is not None and self.nats.pid is not None
+            return self.nats.pid
         return self.procs[name].pid
 
     def part_names(self) -> list[str]:
         return list(self.procs)
 
     def exited(self) -> list[tuple[str, int]]:
-        """Parts that have exited since the last call, with their exit codes (forgotten once reported)."""
-        gone = [(name, proc.returncode) for name, proc in self.procs.items() if proc.poll() is not None]
-        for name, _ in gone:
-            self.procs.pop(name)
+        """Parts that have exited since the last call, with their exit codes (forgotten once reported).
+
+        Supervised parts are restarted instead, so this is empty while a supervisor runs.
+        """
+        if self.supervisor is not None:
+            return []
+        with self._lock:
+            gone = [(name, proc.returncode) for name, proc in self.procs.items() if proc.poll() is not None]
+            for name, _ in gone:
+                self.procs.pop(name)
         return gone
+
+    # -- supervision (supervisor.Supervised) ------------------------------------------------------
+
+    def part_exit_codes(self) -> dict[str, int | None]:
+        with self._lock:
+            codes: dict[str, int | None] = {name: proc.poll() for name, proc in self.procs.items()}
+            if self.nats is not None and self.nats.proc is not None:
+                codes["nats-server"] = self.nats.proc.poll()
+        return codes
+
+    def respawn(self, name: str) -> None:
+        """Start a part that exited again, the way it was started."""
+        with self._lock:
+            if name == "nats-server":
+                assert self.nats is not None and self.state is not None
+                if self.nats.running():
+                    return  # restarted by someone else meanwhile
+                self.nats.start()
+                assert self.nats.proc is not None
+                self.state.pids[name] = self.nats.proc.pid
+                self._save()
+                return
+            if name in self._argv and name in self.procs:
+                self._spawn(name, self._argv[name])
+
+    def record_restart(self, name: str, code: int) -> None:
+        with self._lock:
+            assert self.state is not None
+            self.state.restarts[name] = self.state.restarts.get(name, 0) + 1
+            self.state.last_exit[name] = code
+            self._save()
 
     def restart_worker(self, name: str, fleet: FleetConfig | None = None, timeout: float = 30.0
                        ) -> subprocess.Popen[bytes]:
@@ -225,7 +323,8 @@ class LocalCluster:
         NATS and the gateway stay up; only settings a worker reads at start (its profile) change.
         """
         assert self.state is not None, "start the cluster first"
-        proc = self.procs.pop(name, None)
+        with self._lock:
+            proc = self.procs.pop(name, None)
         if proc is not None:
             stop_group(proc.pid, timeout, name)
         if fleet is not None:
@@ -235,6 +334,9 @@ class LocalCluster:
 
     def detach(self) -> None:
         """Forget the running parts: they run on in their own sessions after this process exits."""
+        if self.supervisor is not None:
+            self.supervisor.stop()
+            self.supervisor = None
         self.procs.clear()
         self.nats = None
 
@@ -245,24 +347,34 @@ class LocalCluster:
 
     # -- stopping ---------------------------------------------------------------------------
 
-    def kill_worker(self, name: str, sig: int = signal.SIGKILL) -> None:
-        proc = self.procs[name]
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Send `sig` to a part's process group (a test's crash); a supervisor restarts it."""
+        pid = self.pid(name)
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        if sig == signal.SIGKILL:
-            proc.wait(timeout=10)
+            os.killpg(pid, sig)
+        if sig == signal.SIGKILL and name != "nats-server":
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.procs[name].wait(timeout=10)
+
+    def kill_worker(self, name: str, sig: int = signal.SIGKILL) -> None:
+        self.kill(name, sig)
 
     def stop(self, timeout: float = 30.0) -> None:
+        if self.supervisor is not None:
+            self.supervisor.stop()
+            self.supervisor = None
+        with self._lock:
+            procs = dict(self.procs)
+            self.procs.clear()
         # Workers first (SIGTERM drains their in-flight tasks), then the gateway, then NATS.
-        for name, proc in list(self.procs.items()):
+        for name, proc in procs.items():
             if name.startswith("worker"):
                 stop_group(proc.pid, timeout, name)
-        if "gateway" in self.procs:
-            stop_group(self.procs["gateway"].pid, 10.0, "gateway")
-        for proc in self.procs.values():
+        if "gateway" in procs:
+            stop_group(procs["gateway"].pid, 10.0, "gateway")
+        for proc in procs.values():
             with contextlib.suppress(Exception):
                 proc.wait(timeout=1)
-        self.procs.clear()
         if self.nats is not None:
             self.nats.stop()
         with contextlib.suppress(FileNotFoundError):
@@ -276,8 +388,8 @@ class LocalCluster:
 
 
 def _workers_ready(readyz: dict, fleet: FleetConfig, want: int) -> bool:
-    if want == 0:
-        return True
+    if want == 0:  # a gateway alone (workers join from elsewhere) is up once it has its stream
+        return bool(readyz.get("nats", {}).get("connected") and readyz.get("stream", {}).get("exists"))
     alive = readyz.get("workers", {})
     return all(int(alive.get(b.name, 0)) >= want for b in fleet.bases)
 
@@ -287,37 +399,6 @@ def _tail(path: Path, lines: int = 30) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log)"
-
-
-def down(home: Path | None = None, timeout: float = 30.0) -> list[str]:
-    """Stop the cluster recorded under `home` (workers, gateway, then nats-server); names stopped."""
-    home = (home or settings.home()).resolve()
-    state = ClusterState.load(home)
-    stopped = []
-    order = sorted(state.pids, key=lambda n: (n == "nats-server", n == "gateway"))
-    for name in order:
-        pid = state.pids[name]
-        if pid_alive(pid):
-            stop_group(pid, timeout if name.startswith("worker") else 10.0, name)
-            stopped.append(name)
-    (home / STATE_FILE).unlink(missing_ok=True)
-    return stopped
-
-
-async def collect_status(state: ClusterState, fleet: FleetConfig, listen_s: float = 1.5) -> dict:
-    """Workers (from their heartbeats), queue depth and consumer lag, read live from NATS."""
-    import nats
-
-    nc = await nats.connect(state.nats_url, connect_timeout=2, max_reconnect_attempts=0)
-    try:
-        workers = await heartbeats.collect(nc, listen_s)
-        try:
-            depth = await queue_depth(nc.jetstream(), fleet.queue)
-        except Exception as exc:  # the stream may not exist yet
-            depth = {"error": str(exc)}  # type: ignore[dict-item]
-    finally:
-        await nc.drain()
-    return {"workers": {k: asdict(v) for k, v in sorted(workers.items())}, "queue": depth}
 
 
 def load_fleet(path: str | Path | None) -> FleetConfig:

@@ -58,8 +58,18 @@ class QueueConfig(StrictModel):
     stream: str = "LORAFLEET_WORK"
     dlq_stream: str = "LORAFLEET_DLQ"
     storage: Literal["file", "memory"] = "file"
-    max_msgs: int = Field(100_000, ge=1, description="Bound of the work stream; beyond it the gateway answers 429.")
+    max_msgs: int = Field(
+        100_000, ge=1,
+        description="Hard bound of waiting tasks per base model (each base's subject is bounded on its own, so one "
+        "base cannot fill the stream for the others); beyond it the gateway answers 429. Admission control "
+        "(GatewayConfig.admit_fraction) refuses work long before this bound.",
+    )
     max_bytes: int = Field(512 * 1024 * 1024, ge=1024)
+    max_age_s: float | None = Field(
+        None, gt=0,
+        description="Tasks older than this leave the stream unanswered. None: the gateway's max_deadline_s plus "
+        "10 s (no task can be answered after its deadline, and the deadline is capped by max_deadline_s).",
+    )
     duplicate_window_s: float = Field(120.0, gt=0)
     ack_wait_s: float = Field(10.0, gt=0, description="Redelivery after this long without ack or progress.")
     max_deliver: int = Field(5, ge=1)
@@ -137,7 +147,19 @@ class GatewayConfig(StrictModel):
     worker_liveness_s: float = Field(
         5.0, gt=0, description="A worker whose last heartbeat is older than this no longer counts as serving."
     )
-    retry_after_s: int = Field(1, ge=1)
+    retry_after_s: int = Field(1, ge=1, description="Retry-After of 503 answers, and the least one of a 429.")
+    admit_fraction: float | None = Field(
+        0.5, gt=0, le=1,
+        description="Admission control: a request is refused with 429 when the tasks ahead of it, at the service "
+        "rate the workers of its base measured, would take more than this share of its deadline. The rest of "
+        "the deadline absorbs batching, jitter and the way back. None: no admission control (only the stream's "
+        "bound, queue.max_msgs).",
+    )
+    monitor_s: float = Field(
+        0.5, gt=0, le=10,
+        description="How often the gateway reads the stream and its consumers (backlog for admission, "
+        "readiness, re-creating a lost stream).",
+    )
 
 
 class WorkerConfig(StrictModel):
@@ -146,12 +168,35 @@ class WorkerConfig(StrictModel):
     heartbeat_s: float = Field(1.0, gt=0)
     device: str = Field("auto", description="'auto', 'cpu', 'cuda', 'cuda:0', …")
     drain_timeout_s: float = Field(30.0, gt=0, description="On SIGTERM, how long to finish in-flight work.")
+    adapter_roots: list[str] = Field(
+        default_factory=list,
+        description="Local folders adapters may be loaded from, besides registry references (models:/NAME/N, "
+        "verified by digest) and the adapter folders this fleet file names itself. A task or fleet entry that "
+        "names any other path is refused without saying whether it exists.",
+    )
+    orphan_grace_s: float = Field(
+        3.0, ge=0,
+        description="A task whose gateway no longer listens (no subscriber on its reply inbox) is dropped once "
+        "that has lasted this long: long enough for a gateway to come back after a NATS reconnect.",
+    )
+
+
+class NatsClientConfig(StrictModel):
+    """How gateways, workers and the CLI connect to NATS; each setting can also come from the environment
+    (LORAFLEET_NATS_CREDS, LORAFLEET_NATS_TLS_CA/_CERT/_KEY), which wins over the file, and a command-line
+    flag wins over both. Credentials are per process, so the fleet file rarely names one."""
+
+    creds: str | None = Field(None, description="nkey credential file (a seed, mode 0600) whose name gives the role.")
+    tls_ca: str | None = Field(None, description="CA certificate that signed the server's (private CA).")
+    tls_cert: str | None = Field(None, description="Client certificate, when the server verifies clients.")
+    tls_key: str | None = Field(None, description="Key of the client certificate.")
 
 
 class FleetConfig(StrictModel):
     """A whole serving cluster: which models it serves and how its parts behave."""
 
     nats_url: str = "nats://127.0.0.1:4222"
+    nats: NatsClientConfig = Field(default_factory=NatsClientConfig)
     bases: list[BaseModelSpec] = Field(default_factory=lambda: [BaseModelSpec(name=PACKAGED_MINILM)])
     models: list[ServedModel] = Field(default_factory=list)
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
@@ -170,6 +215,12 @@ class FleetConfig(StrictModel):
     def _check_models(self) -> FleetConfig:
         check_served_models([b.name for b in self.bases], self.models)
         return self
+
+    def work_max_age_s(self) -> float:
+        """How long a task may wait in the work stream: queue.max_age_s, else past the largest deadline."""
+        if self.queue.max_age_s is not None:
+            return self.queue.max_age_s
+        return self.gateway.max_deadline_s + 10.0
 
     def base(self, name: str) -> BaseModelSpec:
         for b in self.bases:

@@ -45,6 +45,12 @@ class FleetEntry(StrictModel):
     registered_model: str
     action: Literal["promote", "rollback", "set"] = "set"
     updated: float = Field(default_factory=time.time)
+    # Optional (issue 14), from a generative bundle's details: what the gateway applies to this name.
+    kind: str | None = Field(None, description="The bundle kind: sentence-transformers, causal-lm, …")
+    system_prompt: str | None = Field(None, description="Applied when a chat request brings no system message.")
+    chat_template: str | None = Field(None, description="Replaces the base's chat template for this name.")
+    generation: dict[str, Any] | None = Field(None, description="Defaults for parameters a request leaves out "
+                                              "(max_tokens, temperature, top_p): what the bundle was scored with.")
 
     def to_bytes(self) -> bytes:
         return self.model_dump_json().encode()

@@ -60,6 +60,15 @@ def port_open(host: str, port: int, timeout: float = 0.2) -> bool:
 
 
 
+def _logged_since(path: Path, offset: int, text: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return text in f.read().decode(errors="replace")
+    except OSError:
+        return False
+
+
 def _q(s: str | Path) -> str:
     return '"' + str(s).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
@@ -107,6 +116,31 @@ class NatsServer:
         self.layout = layout
         self.credentials: CredentialSet | None = None
         self.proc: subprocess.Popen[bytes] | None = None
+        self._adopted: int | None = None  # the pid of a server another process started (`adopt`)
+
+    @property
+    def pid(self) -> int | None:
+        if self.proc is not None:
+            return self.proc.pid
+        return self._adopted
+
+    def adopt(self, pid: int) -> NatsServer:
+        """Act on a server another process started with this config (the CLI's `creds add` reloads it)."""
+        self._adopted = pid
+        return self
+
+    def running(self) -> bool:
+        if self.proc is not None:
+            return self.proc.poll() is None
+        if self._adopted is None:
+            return False
+        try:
+            os.kill(self._adopted, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
 
     @property
     def url(self) -> str:
@@ -142,6 +176,8 @@ class NatsServer:
     def start(self, timeout: float = 15.0) -> NatsServer:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         self._write_config()
+        self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        offset = self.log_file.stat().st_size if self.log_file.exists() else 0
         log = open(self.log_file, "ab")  # noqa: SIM115 - the child owns it for its lifetime
         self.proc = subprocess.Popen(
             [nats_server_binary(), "-c", str(self.config_file)],
@@ -151,12 +187,13 @@ class NatsServer:
         )
         log.close()
         deadline = time.monotonic() + timeout
+        # Ready when it says so in its log: a probe connection would be logged as a TLS handshake error.
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise NatsServerError(f"nats-server exited with {self.proc.returncode}; see {self.log_file}")
-            if port_open(self.host, self.port):
+            if _logged_since(self.log_file, offset, "Server is ready"):
                 return self
-            time.sleep(0.05)
+            time.sleep(0.02)
         self.stop()
         raise NatsServerError(f"nats-server did not listen on {self.url} within {timeout}s; see {self.log_file}")
 
@@ -166,11 +203,12 @@ class NatsServer:
 
         Returns once the server logged the reload: the signal itself says nothing about when it is done.
         """
-        if self.proc is None or self.proc.poll() is not None:
+        pid = self.pid
+        if pid is None or not self.running():
             raise NatsServerError("nats-server is not running")
         offset = self.log_file.stat().st_size if self.log_file.exists() else 0
         self._write_config()
-        self.proc.send_signal(signal.SIGHUP)
+        os.kill(pid, signal.SIGHUP)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with open(self.log_file, "rb") as f:
@@ -184,6 +222,12 @@ class NatsServer:
         raise NatsServerError(f"nats-server did not confirm the reload within {timeout}s; see {self.log_file}")
 
     def stop(self, timeout: float = 10.0) -> None:
+        if self.proc is None and self._adopted is not None:
+            if self.running():
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self._adopted, signal.SIGTERM)
+            self._adopted = None
+            return
         if self.proc is None or self.proc.poll() is not None:
             return
         try:

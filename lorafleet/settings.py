@@ -22,18 +22,31 @@ def home() -> Path:
     return path
 
 
+DATA_SOURCE_FILE = "SOURCE.json"  # written by `lorafleet data fetch`: where the statutes came from
+
+
+def data_cache_dir() -> Path:
+    """Where `lorafleet data fetch` stores the statutes when LORAFLEET_DATA_DIR is not set."""
+    return home() / "data"
+
+
 def data_dir() -> Path:
-    """`LORAFLEET_DATA_DIR`: the folder that holds `gesetze/*.md`."""
+    """The folder holding `gesetze/*.md`: `LORAFLEET_DATA_DIR` if set, else the cache that
+    `lorafleet data fetch` fills (LORAFLEET_HOME/data); a DataDirError that says what to do otherwise."""
     raw = os.environ.get("LORAFLEET_DATA_DIR")
-    if not raw:
-        raise DataDirError(
-            "LORAFLEET_DATA_DIR is not set: point it at the folder that holds gesetze/*.md "
-            "(for example ../shared/data)."
-        )
-    path = Path(raw).expanduser().resolve()
-    if not path.is_dir():
-        raise DataDirError(f"LORAFLEET_DATA_DIR={raw} is not a directory.")
-    return path
+    if raw:
+        path = Path(raw).expanduser().resolve()
+        if not path.is_dir():
+            raise DataDirError(f"LORAFLEET_DATA_DIR={raw} is not a directory (unset it to use the cache that "
+                               "`lorafleet data fetch` fills)")
+        return path
+    cache = data_cache_dir()
+    if (cache / "gesetze").is_dir():
+        return cache
+    raise DataDirError(
+        f"no statutes found: run `lorafleet data fetch` (downloads the public bundestag/gesetze collection into "
+        f"{cache}), or point LORAFLEET_DATA_DIR at a folder holding gesetze/*.md"
+    )
 
 
 def logs_dir() -> Path:

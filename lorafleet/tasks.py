@@ -31,10 +31,13 @@ from typing import Any, ClassVar, Literal, Protocol
 
 from lorafleet import plugins
 from lorafleet.config import StrictModel, validate_model
-from lorafleet.metrics import prefixed, to_test
+from lorafleet.metrics import SPLITS, prefixed, to_test
 
 EpochCallback = Callable[[int, dict[str, float]], None]
 Direction = Literal["maximize", "minimize"]
+
+# What a run cost, for every kind: `TrainResult.cost` (wall_s, cpu_s, peak_rss_mb, usd) prefixed `cost_`.
+COST_HEADLINE = ("cost_wall_s", "cost_usd")
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,8 @@ class MetricSpec:
     the gate, the registry tags and the reports lead with. `baseline` is the prefix of the kind's
     non-learned baseline (`bm25`, `lead`) and `baseline_label` its name in tables. `table` lists
     what a version listing shows; `report` the metric names (without split) a report compares.
+    Derived from these: `headline_set` (what runs and model versions lead with in MLflow), `summary`
+    (the headline in words) and `rows` (any metrics as table rows, for the long tail).
     """
 
     objective: str
@@ -61,6 +66,57 @@ class MetricSpec:
 
     def base(self, name: str) -> str:
         return f"base_{name}"
+
+    @property
+    def headline_set(self) -> tuple[str, ...]:
+        """The few metrics every run and every model version leads with, in this order: the headline (test)
+        of the adapter, the base model and the baseline side by side, the same on dev (the objective), then
+        cost. `test_ndcg@10, base_test_ndcg@10, bm25_test_ndcg@10, dev_ndcg@10, …, cost_wall_s, cost_usd`.
+        A run logs those it has (a trial has no test numbers); everything else goes to its metrics table."""
+        names: list[str] = []
+        for name in (self.headline, self.objective):
+            names += [name, self.base(name)] + ([f"{self.baseline}_{name}"] if self.baseline else [])
+        return (*names, *COST_HEADLINE)
+
+    def summary(self, metrics: Mapping[str, float]) -> str | None:
+        """The headline in words: `test nDCG@10 0.440 vs base 0.315 (+40 %) and BM25 0.298`; None without it."""
+        score = metrics.get(self.headline)
+        if score is None:
+            return None
+        text = f"test {self.label or self.headline.removeprefix('test_')} {_number(score)}"
+        base = metrics.get(self.base(self.headline))
+        if base is not None:
+            text += f" vs base {_number(base)}" + (f" ({(score / base - 1) * 100:+.0f} %)" if base else "")
+        other = metrics.get(f"{self.baseline}_{self.headline}") if self.baseline else None
+        if other is not None:
+            text += f" and {self.baseline_label} {_number(other)}"
+        return text
+
+    def rows(self, metrics: Mapping[str, Any], *, model: str = "adapter", step: int | None = None
+             ) -> list[dict[str, Any]]:
+        """Flat metrics as table rows (name, model, split, metric, step, value): the long tail of a run.
+
+        `base_test_ndcg@10` → model `base`, split `test`, metric `ndcg@10`; a name with no known prefix
+        belongs to `model`; a name with no split prefix (`cost_usd`) has split ''."""
+        prefixes = ["base"] + ([self.baseline] if self.baseline else [])
+        out = []
+        for name, value in metrics.items():
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                continue
+            who, rest = model, name
+            for p in prefixes:
+                if name.startswith(p + "_"):
+                    who, rest = p, name[len(p) + 1:]
+                    break
+            split = next((s for s in SPLITS if rest.startswith(s + "_")), "")
+            out.append({"name": name, "model": who, "split": split, "metric": rest[len(split) + 1:] if split else rest,
+                        "step": step, "value": float(value)})
+        return out
+
+
+def _number(value: float) -> str:
+    """0.440 for scores in [0, 1], 41.2 for chrF-like scores in [0, 100]."""
+    return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
 
 
 def beats(score: float, reference: float, margin: float, direction: Direction) -> bool:
@@ -138,6 +194,7 @@ class TaskKind(ABC):
     name: ClassVar[str]
     capability: ClassVar[str]  # wire.EMBED or wire.GENERATE: what a runtime must offer to serve it
     bundle_kind: ClassVar[str]  # recorded in bundle.yaml: "sentence-transformers", "causal-lm"
+    default_runtime: ClassVar[str] = "sentence-transformers"  # the runtime plugin a bundle of this kind names
     metrics: ClassVar[MetricSpec]
     config_model: ClassVar[type[StrictModel]]  # the `train:` section
 

@@ -1,4 +1,4 @@
-"""Helpers for tests and benchmarks: a tiny random BERT built on the fly, offline.
+"""Helpers for tests and benchmarks: a tiny random BERT and a tiny random Llama, built on the fly, offline.
 
 Public so that users writing tests against lorafleet get the same fast model.
 """
@@ -92,4 +92,62 @@ def make_random_adapter(base_model: str | Path, out_dir: str | Path, *, seed: in
     out.mkdir(parents=True, exist_ok=True)
     # Only the adapter, in plain peft format (adapter_config.json + adapter_model.safetensors).
     model[0].auto_model.save_pretrained(str(out))
+    return out
+
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tiny_llama(out_dir: str | Path, *, hidden: int = 128, heads: int = 2, layers: int = 2,
+                     vocab_size: int = 512, max_positions: int = 512, seed: int = 0,
+                     corpus: list[str] | None = None, chat_template: str | None = CHATML_TEMPLATE,
+                     mute_special_tokens: bool = False) -> Path:
+    """Write a random, tiny Llama causal LM with its tokenizer to `out_dir` as a normal HF folder.
+
+    head_dim is hidden / heads (64 by default): vLLM's CPU attention rejects head_dim 16. The BPE
+    tokenizer (newlines split off, then Metaspace, so every token decodes to valid text and chat turns
+    tokenise as prefixes of each other) is trained on `corpus` on the fly, eos is
+    `<|im_end|>`, and `chat_template` (ChatML by default; None: no template) renders system, user and
+    assistant turns. `mute_special_tokens` zeroes the special tokens' output rows, so greedy decoding never
+    stops early (useful for serving tests that compare token streams).
+    """
+    import torch
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import BPE
+    from tokenizers.trainers import BpeTrainer
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    if hidden % heads or hidden // heads < 32:
+        raise ValueError(f"hidden={hidden} / heads={heads} must give a whole head_dim of at least 32")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    special = ["<unk>", "<s>", "<|im_start|>", "<|im_end|>", "<pad>"]
+    tok = Tokenizer(BPE(unk_token="<unk>"))
+    # ChatML puts "\n" right after the role and before the content: split it off so that it never merges
+    # with a word, and the prompt's tokens are a prefix of the whole conversation's.
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split("\n", "isolated"),
+                                                 pre_tokenizers.Metaspace(prepend_scheme="first")])
+    tok.decoder = decoders.Metaspace(prepend_scheme="first")
+    texts = (corpus or _CORPUS) + ["system user assistant"]  # the role names the template renders
+    trainer = BpeTrainer(vocab_size=vocab_size, special_tokens=special, initial_alphabet=["\n"], show_progress=False)
+    tok.train_from_iterator(texts * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="<|im_end|>",
+                                   pad_token="<pad>", model_max_length=max_positions)
+    if chat_template is not None:
+        fast.chat_template = chat_template
+    fast.save_pretrained(out)
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(fast), hidden_size=hidden, intermediate_size=hidden * 2,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                         head_dim=hidden // heads, max_position_embeddings=max_positions,
+                         bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
+                         pad_token_id=fast.pad_token_id, tie_word_embeddings=False, initializer_range=0.2)
+    model = LlamaForCausalLM(config)
+    if mute_special_tokens:
+        with torch.no_grad():
+            model.lm_head.weight[: len(special)] = 0
+    model.save_pretrained(out)
     return out

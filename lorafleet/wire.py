@@ -6,7 +6,11 @@ same strict reader (`_read`): a missing field, a field of the wrong type or an u
 a `WireError` that names the field, whichever body it is.
 
 A result carries the payload of one capability: `vector` (+ `dim`) for embed, `text` with token
-usage and a finish reason for generate, or an error code.
+usage and a finish reason for generate, or an error code. A generate task that asks for streaming
+is answered with text chunks first (a Result with `seq` and no finish reason, core-NATS publishes in
+order) and then the final Result (whole text, usage, finish reason, number of chunks sent), which
+goes with a receipt like every final result. `attempt` (the JetStream delivery) tells a gateway which
+chunks belong together when a task is delivered again after a worker died mid-stream.
 """
 
 from __future__ import annotations
@@ -32,6 +36,11 @@ HDR_MSG_ID = "Nats-Msg-Id"
 HDR_DLQ_REASON = "Lorafleet-Dlq-Reason"
 HDR_DLQ_SUBJECT = "Lorafleet-Dlq-Subject"
 HDR_DLQ_DELIVERIES = "Lorafleet-Dlq-Deliveries"
+
+# A gateway confirms every request on its inbox with a receipt: empty while the request is pending,
+# this body once nobody waits for it any more (answered, timed out, client gone), so a worker stops
+# generating text nobody reads.
+RECEIPT_CANCEL = b"cancel"
 
 # Capabilities: what a runtime can do and what a task asks for.
 EMBED: Final = "embed"
@@ -111,6 +120,12 @@ def _read(data: bytes, what: str, spec: dict[str, tuple[Any, Any]], error: type[
         raise error(f"{what} body is not a map")
     if d.get("v") != WIRE_VERSION:
         raise error(f"{what} has unsupported wire version {d.get('v')!r} (this side speaks {WIRE_VERSION})")
+    return _fields(d, what, spec, error)
+
+
+def _fields(d: dict[Any, Any], what: str, spec: dict[str, tuple[Any, Any]], error: type[WireError] = WireError
+            ) -> dict[str, Any]:
+    """The checked fields of an already unpacked map (a body, or a map nested in one)."""
     out: dict[str, Any] = {}
     for key, (types, default) in spec.items():
         if key not in d:
@@ -183,17 +198,73 @@ class Task:
                    enqueued=d["eq"], op=d["op"], params=d["p"])
 
 
+_GENERATE_SPEC: Final[dict[str, tuple[Any, Any]]] = {
+    "mt": (int, _REQUIRED), "tm": (_NUMBER, 1.0), "tp": (_NUMBER, 1.0), "sp": (list, None), "sd": (int, None),
+    "st": (bool, False), "ch": (bool, False),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateParams:
+    """`Task.params` of a generate task (short keys on the wire, checked like every body).
+
+    `chat`: the gateway rendered the prompt from a chat template, which already holds the special
+    tokens, so the runtime adds none (what vLLM's own chat route does). `stream`: send text chunks
+    while generating, not only the final result.
+    """
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    stream: bool = False
+    chat: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def to_params(self) -> dict[str, Any]:
+        p: dict[str, Any] = {"mt": self.max_tokens, "tm": self.temperature, "tp": self.top_p}
+        if self.stop:
+            p["sp"] = list(self.stop)
+        if self.seed is not None:
+            p["sd"] = self.seed
+        if self.stream:
+            p["st"] = True
+        if self.chat:
+            p["ch"] = True
+        return p
+
+    @classmethod
+    def of(cls, task: Task) -> GenerateParams:
+        """The parameters of a generate task; MalformedTask when they are missing or wrong."""
+        if task.params is None:
+            raise MalformedTask("generate task has no parameters ('p')")
+        d = _fields(task.params, "generate parameters", _GENERATE_SPEC, MalformedTask)
+        stop = d["sp"] or []
+        if not all(isinstance(x, str) and x for x in stop):
+            raise MalformedTask("generate parameter 'sp' must be a list of non-empty strings")
+        if d["mt"] < 1:
+            raise MalformedTask(f"generate parameter 'mt' must be at least 1, got {d['mt']}")
+        return cls(max_tokens=d["mt"], temperature=float(d["tm"]), top_p=float(d["tp"]), stop=tuple(stop),
+                   seed=d["sd"], stream=d["st"], chat=d["ch"])
+
+
 # Error codes a worker can send back; the gateway maps them to HTTP statuses.
 ERR_DEADLINE = "deadline_exceeded"  # 504
 ERR_MALFORMED = "malformed_task"  # 500: the gateway built a task the worker cannot read
 ERR_ADAPTER = "adapter_unavailable"  # 503: the adapter cannot be loaded
 ERR_RUNTIME = "runtime_error"  # 500: the batch failed on every delivery
+ERR_INVALID = "invalid_request"  # 400: the runtime refused the task's input or parameters (not worth a retry)
 
 
 _RESULT_SPEC: Final[dict[str, tuple[Any, Any]]] = {
     "id": (str, _REQUIRED), "i": (int, _REQUIRED), "w": (str, _REQUIRED), "x": (bytes, None), "d": (int, 0),
     "tx": (str, None), "pt": (int, 0), "ct": (int, 0), "fr": (str, None), "ec": (str, None),
     "em": (str, None), "qm": (_NUMBER, 0.0), "bs": (int, 0),
+    "sq": (int, None), "at": (int, 0),  # optional (issue 14): streamed text
 }
 
 
@@ -214,10 +285,18 @@ class Result:
     error_message: str | None = None
     queue_ms: float = 0.0  # enqueue → batch start
     batch_size: int = 0
+    # Streaming (generate): a chunk has `seq` (0, 1, …) and a text delta but no finish reason; the final
+    # result has the whole text, the finish reason and, in `seq`, how many chunks went before it.
+    seq: int | None = None
+    attempt: int = 0  # the task's delivery (JetStream num_delivered) this text comes from
 
     @property
     def ok(self) -> bool:
         return self.error_code is None
+
+    @property
+    def is_chunk(self) -> bool:
+        return self.seq is not None and self.finish_reason is None and self.error_code is None
 
     def array(self) -> np.ndarray:
         assert self.vector is not None
@@ -233,6 +312,8 @@ class Result:
             return None
         if self.text is None:
             return "result carries neither a vector nor a text"
+        if self.seq is not None and self.seq < 0:
+            return f"result has a negative chunk sequence number {self.seq}"
         return None
 
     def to_wire(self) -> bytes:
@@ -244,6 +325,10 @@ class Result:
             body.update(tx=self.text, pt=self.prompt_tokens, ct=self.completion_tokens, fr=self.finish_reason)
         if self.error_code is not None:
             body["ec"], body["em"] = self.error_code, self.error_message
+        if self.seq is not None:
+            body["sq"] = self.seq
+        if self.attempt:
+            body["at"] = self.attempt
         return pack(body)
 
     @classmethod
@@ -251,13 +336,15 @@ class Result:
         d = _read(data, "result", _RESULT_SPEC)
         return cls(task_id=d["id"], index=d["i"], worker=d["w"], vector=d["x"], dim=d["d"], text=d["tx"],
                    prompt_tokens=d["pt"], completion_tokens=d["ct"], finish_reason=d["fr"], error_code=d["ec"],
-                   error_message=d["em"], queue_ms=d["qm"], batch_size=d["bs"])
+                   error_message=d["em"], queue_ms=d["qm"], batch_size=d["bs"], seq=d["sq"], attempt=d["at"])
 
 
 _HEARTBEAT_SPEC: Final[dict[str, tuple[Any, Any]]] = {
     "w": (str, _REQUIRED), "b": (list, _REQUIRED), "a": (dict, _REQUIRED), "f": (int, _REQUIRED),
     "bps": (_NUMBER, _REQUIRED), "td": (int, _REQUIRED), "pid": (int, _REQUIRED), "h": (str, _REQUIRED),
     "ts": (_NUMBER, _REQUIRED), "dr": (bool, False),
+    "sr": (dict, None),  # optional (issue 12): absent from older workers, read as {}
+    "su": (dict, None), "sn": (dict, None), "kv": (dict, None),  # optional (issue 14): engine runtimes
 }
 
 
@@ -275,11 +362,24 @@ class Heartbeat:
     host: str
     ts: float = field(default_factory=time.time)
     draining: bool = False
+    # base → tasks this worker completes per second while busy with that base (its measured service
+    # rate, what gateways admit work by); a base it has not computed yet is absent.
+    service_rates: dict[str, float] = field(default_factory=dict)
+    # Engine runtimes (issue 14), per base: sequences in flight, sequences the worker keeps in flight
+    # at most (its slot target), and the engine's KV-cache use (0..1). Absent for batch runtimes.
+    slots_used: dict[str, int] = field(default_factory=dict)
+    slots: dict[str, int] = field(default_factory=dict)
+    kv_cache: dict[str, float] = field(default_factory=dict)
 
     def to_wire(self) -> bytes:
-        return pack({"v": WIRE_VERSION, "w": self.worker, "b": self.bases, "a": self.adapters, "f": self.in_flight,
-                     "bps": self.batches_per_s, "td": self.tasks_done, "pid": self.pid, "h": self.host,
-                     "ts": self.ts, "dr": self.draining})
+        body = {"v": WIRE_VERSION, "w": self.worker, "b": self.bases, "a": self.adapters, "f": self.in_flight,
+                "bps": self.batches_per_s, "td": self.tasks_done, "pid": self.pid, "h": self.host,
+                "ts": self.ts, "dr": self.draining}
+        if self.service_rates:
+            body["sr"] = self.service_rates
+        if self.slots:
+            body["su"], body["sn"], body["kv"] = self.slots_used, self.slots, self.kv_cache
+        return pack(body)
 
     @classmethod
     def from_wire(cls, data: bytes) -> Heartbeat:
@@ -290,9 +390,23 @@ class Heartbeat:
         if not all(isinstance(k, str) and isinstance(v, list) and all(isinstance(x, str) for x in v)
                    for k, v in adapters.items()):
             raise WireError("heartbeat field 'a' must map base names to lists of adapter ids")
+        rates = d["sr"] or {}
+        if not all(isinstance(k, str) and isinstance(v, _NUMBER) and not isinstance(v, bool) and v >= 0
+                   for k, v in rates.items()):
+            raise WireError("heartbeat field 'sr' must map base names to non-negative numbers")
+        used, slots, kv = (_counts(d[k] or {}, k) for k in ("su", "sn", "kv"))
         return cls(worker=d["w"], bases=list(d["b"]), adapters={k: list(v) for k, v in adapters.items()},
                    in_flight=d["f"], batches_per_s=d["bps"], tasks_done=d["td"], pid=d["pid"], host=d["h"],
-                   ts=d["ts"], draining=d["dr"])
+                   ts=d["ts"], draining=d["dr"], service_rates={k: float(v) for k, v in rates.items()},
+                   slots_used={k: int(v) for k, v in used.items()}, slots={k: int(v) for k, v in slots.items()},
+                   kv_cache={k: float(v) for k, v in kv.items()})
+
+
+def _counts(d: dict[Any, Any], key: str) -> dict[str, float]:
+    if not all(isinstance(k, str) and isinstance(v, _NUMBER) and not isinstance(v, bool) and v >= 0
+               for k, v in d.items()):
+        raise WireError(f"heartbeat field {key!r} must map base names to non-negative numbers")
+    return d
 
 
 # The MessagePack HTTP route, POST /v1/encode/{model}:

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -29,9 +29,12 @@ from lorafleet.fleet_state import (
     open_fleet_bucket,
     put_entry,
 )
+from lorafleet.nats_auth import CREDS_SUFFIX, explain_connect_error
+from lorafleet.nats_client import ClientSettings
 from lorafleet.nats_server import port_open
 from lorafleet.refs import version_uri
 from lorafleet.registry import store
+from lorafleet.registry.bundle import BundleSpec
 from lorafleet.registry.store import CANDIDATE, CHAMPION, VersionInfo
 from lorafleet.tasks import GateResult, get_task_kind
 
@@ -69,15 +72,26 @@ class FleetTarget:
     nats_url: str
     bases: list[str] | None  # None: learnt from worker heartbeats when connected
     source: str
+    client: ClientSettings = field(default_factory=ClientSettings)  # control: writing the fleet bucket is its job
 
 
-def find_fleet(nats_url: str | None = None, fleet_file: Path | None = None) -> FleetTarget:
+def control_client(state: ClusterState | None = None, creds: Path | None = None) -> ClientSettings:
+    """`creds`, else LORAFLEET_NATS_CREDS (and the TLS variables), else LORAFLEET_HOME/creds/control.nk; the
+    cluster's CA unless one is set."""
+    client = ClientSettings.resolve(creds=creds, fallback_creds=settings.home() / "creds" / f"control{CREDS_SUFFIX}")
+    if client.tls is None and state is not None and state.tls:
+        client = ClientSettings(client.creds, state.client(None).tls)
+    return client
+
+
+def find_fleet(nats_url: str | None = None, fleet_file: Path | None = None, creds: Path | None = None
+               ) -> FleetTarget:
     """The cluster to publish to: --nats-url (and --fleet) if given, else LORAFLEET_HOME/cluster.json."""
     bases: list[str] | None = None
     if fleet_file is not None:
         bases = [b.name for b in load_yaml_model(FleetConfig, fleet_file).bases]
     if nats_url:
-        return FleetTarget(nats_url, bases, "--nats-url")
+        return FleetTarget(nats_url, bases, "--nats-url", control_client(creds=creds))
     try:
         state = ClusterState.load(settings.home())
     except ClusterError as exc:
@@ -85,7 +99,7 @@ def find_fleet(nats_url: str | None = None, fleet_file: Path | None = None) -> F
     if bases is None:
         with contextlib.suppress(Exception):
             bases = [b.name for b in load_yaml_model(FleetConfig, state.fleet_file).bases]
-    return FleetTarget(state.nats_url, bases, str(settings.home() / "cluster.json"))
+    return FleetTarget(state.nats_url, bases, str(settings.home() / "cluster.json"), control_client(state, creds))
 
 
 async def _heartbeat_bases(nc: object, wait_s: float = 2.5) -> list[str]:
@@ -94,7 +108,7 @@ async def _heartbeat_bases(nc: object, wait_s: float = 2.5) -> list[str]:
     return sorted({b for hb in seen.values() for b in hb.bases})
 
 
-async def _connect(url: str) -> object:
+async def _connect(url: str, client: ClientSettings | None = None) -> object:
     """A NATS connection that fails fast: nats-py keeps retrying a refused first connect on its own."""
     from urllib.parse import urlsplit
 
@@ -107,12 +121,14 @@ async def _connect(url: str) -> object:
     async def _quiet(exc: Exception) -> None:
         return None
 
+    options = (client or ClientSettings()).options()
     try:
         return await asyncio.wait_for(
-            nats.connect(url, connect_timeout=3, allow_reconnect=False, max_reconnect_attempts=0, error_cb=_quiet),
+            nats.connect(url, connect_timeout=3, allow_reconnect=False, max_reconnect_attempts=0, error_cb=_quiet,
+                         **options),
             timeout=6.0)
     except Exception as exc:
-        raise FleetStateError(f"cannot reach nats-server at {url}: {type(exc).__name__}: {exc}") from exc
+        raise FleetStateError(explain_connect_error(exc, url)) from exc
 
 
 # -- promote / rollback ---------------------------------------------------------------------------
@@ -129,16 +145,22 @@ class Outcome:
 
 
 def _entry(info: VersionInfo, base: str, profile: ServingProfile | None,
-           action: Literal["promote", "rollback"]) -> FleetEntry:
+           action: Literal["promote", "rollback"], spec: BundleSpec | None = None) -> FleetEntry:
+    details = spec.details if spec is not None else {}
+    generation = details.get("generation")
     return FleetEntry(name=info.name, base=base, adapter_id=adapter_id_for(info.name, info.version),
                       adapter_uri=version_uri(info.name, info.version), profile=profile,
-                      version=info.version, registered_model=info.name, action=action)
+                      version=info.version, registered_model=info.name, action=action,
+                      kind=spec.kind if spec is not None else None,
+                      system_prompt=details.get("system_prompt") or None,
+                      chat_template=details.get("chat_template") or None,
+                      generation=generation if isinstance(generation, dict) else None)
 
 
 async def _publish(target: FleetTarget, info: VersionInfo, action: Literal["promote", "rollback"],
                    move_alias: Callable[[], None], undo_alias: Callable[[], None]) -> FleetEntry:
     _, spec = store.bundle_spec(info.name, info.version)
-    nc = await _connect(target.nats_url)
+    nc = await _connect(target.nats_url, target.client)
     try:
         kv = await open_fleet_bucket(nc.jetstream())  # type: ignore[attr-defined]
         bases = target.bases if target.bases is not None else await _heartbeat_bases(nc)
@@ -148,7 +170,7 @@ async def _publish(target: FleetTarget, info: VersionInfo, action: Literal["prom
         if spec.base.name not in bases:
             raise PromotionError(f"{info.name} v{info.version} runs on base {spec.base.name!r}, which this fleet "
                                  f"does not serve (it serves: {', '.join(bases)}); add the base to the fleet first")
-        entry = _entry(info, spec.base.name, spec.profile, action)
+        entry = _entry(info, spec.base.name, spec.profile, action, spec)
         move_alias()
         try:
             await put_entry(kv, entry)
@@ -162,7 +184,7 @@ async def _publish(target: FleetTarget, info: VersionInfo, action: Literal["prom
 
 
 def promote(name: str, version: str | int | None = None, *, force: bool = False, margin: float | None = None,
-            nats_url: str | None = None, fleet_file: Path | None = None) -> Outcome:
+            nats_url: str | None = None, fleet_file: Path | None = None, creds: Path | None = None) -> Outcome:
     """Gate, move `champion` to the version (default: the `candidate` alias, else the newest), publish live."""
     margin = default_margin() if margin is None else margin
     if version is None:
@@ -174,7 +196,7 @@ def promote(name: str, version: str | int | None = None, *, force: bool = False,
     if not gate.ok and not force:
         raise PromotionError(f"{name} v{info.version} fails the quality gate: " + "; ".join(gate.reasons)
                              + " (use --force to promote anyway)")
-    target = find_fleet(nats_url, fleet_file)
+    target = find_fleet(nats_url, fleet_file, creds)
     history = store.champion_history(name)
 
     def move() -> None:
@@ -193,7 +215,8 @@ def promote(name: str, version: str | int | None = None, *, force: bool = False,
     return Outcome(name, info.version, current, "promote", entry, gate, target.nats_url)
 
 
-def rollback(name: str, *, nats_url: str | None = None, fleet_file: Path | None = None) -> Outcome:
+def rollback(name: str, *, nats_url: str | None = None, fleet_file: Path | None = None,
+             creds: Path | None = None) -> Outcome:
     """Move `champion` back to the version that held it before, and publish that live."""
     current = store.alias_version(name, CHAMPION)
     if current is None:
@@ -205,7 +228,7 @@ def rollback(name: str, *, nats_url: str | None = None, fleet_file: Path | None 
     if not trimmed:
         raise PromotionError(f"{name}: champion v{current} has no previous champion to roll back to")
     info = store.get_version(name, trimmed[-1])
-    target = find_fleet(nats_url, fleet_file)
+    target = find_fleet(nats_url, fleet_file, creds)
 
     def move() -> None:
         store.set_alias(name, CHAMPION, info.version)

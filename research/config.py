@@ -158,11 +158,13 @@ def space_fingerprint(space: dict[str, Any]) -> str:
 
 
 def _nested_model(annotation: Any) -> type[BaseModel] | None:
-    """The pydantic model inside `X`, `X | None` or `Optional[X]`, else None."""
-    candidates = [annotation, *typing.get_args(annotation)]
-    for c in candidates:
-        if isinstance(c, type) and issubclass(c, BaseModel):
-            return c
+    """The pydantic model inside `X`, `X | None`, `Annotated[X | Y, …]` (the first one found), else None."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _nested_model(arg)
+        if found is not None:
+            return found
     return None
 
 

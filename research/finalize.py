@@ -20,7 +20,7 @@ from .report import render_markdown, save_plots
 from .result import ResearchResult
 from .session import Session
 from .study import ATTR_FINALIZED, decode_params, jsonable, study_attr, trial_counts, trials_table, winner_of
-from .tracking import PARENT_TAG, TAG_ROLE
+from .tracking import PARENT_TAG, TAG_DESCRIPTION, TAG_ROLE
 
 ATTR_RESEED = "reseed"
 
@@ -49,10 +49,11 @@ def _reseed(session: Session, winner_number: int, train_cfg: Any, progress: Prog
     run_id = tracker.create_child(session.parent_run_id, "reseed", f"trial-{winner_number:03d}-seed{seed_cfg.seed}",
                                   {"winner_trial": winner_number, "seed": seed_cfg.seed})
     progress.note(f"[research] re-training trial #{winner_number}'s configuration with seed {seed_cfg.seed}")
+    objective = session.loaded.objective
     try:
         result = session.kind.train(
             seed_cfg, session.datasets.get(seed_cfg), session.dir / f"winner-{winner_number:03d}-seed{seed_cfg.seed}",
-            on_epoch=lambda epoch, m: tracker.log_metrics(run_id, m, step=epoch),
+            on_epoch=lambda epoch, m: tracker.log_metrics(run_id, {objective: m[objective]}, step=epoch),
         )
         metrics = {k: float(v) for k, v in metrics_of(result).items() if k.startswith(("dev_", "test_"))}
         if not any(k.startswith("test_") for k in metrics):
@@ -61,7 +62,12 @@ def _reseed(session: Session, winner_number: int, train_cfg: Any, progress: Prog
         with contextlib.suppress(Exception):
             tracker.finish_trial(run_id, "failed", f"{type(exc).__name__}: {exc}")
         raise
-    tracker.log_metrics(run_id, metrics)
+    # Like a trial: the headline (the objective already went in per epoch), the rest in the run's table.
+    spec, cost = session.kind.metrics, dict(getattr(result, "cost", None) or {})
+    tracker.log_headline(run_id, {**{k: v for k, v in metrics.items() if k != objective}, **prefixed(cost, "cost")},
+                         spec)
+    tracker.log_table(run_id, spec.rows(metrics) + spec.rows(prefixed(cost, "cost")))
+    tracker.log_dataset(run_id, session.datasets.get(seed_cfg), session.loaded.task)
     tracker.finish_trial(run_id, "complete")
     session.study.set_user_attr(ATTR_RESEED, {"trial": winner_number, "metrics": metrics})
     return metrics
@@ -142,15 +148,26 @@ def _write_summary(session: Session, result: ResearchResult) -> None:
     report.write_text(render_markdown(result, rows, cfg.model_dump(mode="json"), [p.name for p in plots]))
     (out / "summary.json").write_text(json.dumps({"result": result.to_json(), "trials": jsonable(rows)}, indent=2))
     result.report_path = str(report)
-    tracker.log_metrics(parent, prefixed(result.winner_metrics, "winner"))
-    tracker.log_metrics(parent, prefixed(result.reseed_metrics, "reseed"))
-    tracker.log_metrics(parent, prefixed(result.spread, "spread"))
-    tracker.log_metrics(parent, prefixed({k: float(v) for k, v in result.trials.items()}, "trials"))
+    # The parent run is the study's result: the winner's headline under the same names a trial uses
+    # (`dev_ndcg@10`, `test_ndcg@10`), beside the baseline's (logged once by Session.baseline) and the
+    # trials' total time; every other number (all metrics of base, baseline, winner and its second seed,
+    # the seed spread, trial counts) goes to the parent's table and the report.
+    spec = session.kind.metrics
+    wall = sum(float(t.user_attrs.get("wall_s") or 0.0) for t in session.study.get_trials(deepcopy=False))
+    tracker.log_headline(parent, {**result.winner_metrics, "cost_wall_s": wall}, spec)
+    tracker.log_table(parent, spec.rows(result.baseline) + spec.rows(result.winner_metrics, model="winner")
+                      + spec.rows(result.reseed_metrics, model="winner, seed 2")
+                      + spec.rows(result.spread, model="seed spread")
+                      + spec.rows({f"trials_{k}": float(v) for k, v in result.trials.items()}, model="study"))
     tracker.set_tags(parent, {
         "lorafleet.candidate": str(result.candidate).lower(), "lorafleet.verdict": result.verdict[:4000],
         "lorafleet.best_trial": "" if result.winner_trial is None else result.winner_trial,
         "lorafleet.winner_adapter_dir": result.winner_adapter_dir or "",
+        "lorafleet.trials": ", ".join(f"{k} {v}" for k, v in result.trials.items()),
     })
+    summary = spec.summary({**result.baseline, **result.winner_metrics})
+    tracker.set_tags(parent, {TAG_DESCRIPTION: f"{summary} (trial #{result.winner_trial}). {result.verdict}"
+                              if summary else result.verdict})
     for path in [*plots, report, out / "summary.json"]:
         tracker.log_artifact(parent, Path(path))
     tracker.terminate(parent, "FINISHED")

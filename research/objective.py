@@ -18,6 +18,7 @@ from typing import Any
 
 import optuna
 
+from lorafleet.metrics import prefixed
 from lorafleet.tasks import TaskKind
 
 from .config import LoadedConfig, apply_params
@@ -42,6 +43,10 @@ class DatasetCache:
         if key not in self._cache:
             self._cache[key] = self.kind.build_dataset(cfg)
         return self._cache[key]
+
+    def cached(self, cfg: Any) -> Any | None:
+        """The dataset if it was built already (what a trial that failed early may lack)."""
+        return self._cache.get(self.kind.dataset_key(cfg))
 
 
 @contextlib.contextmanager
@@ -98,13 +103,14 @@ class TrialObjective:
 
         limit = min(cfg.trial_timeout_minutes * 60, self.deadline - time.monotonic())
         started, cpu0 = time.monotonic(), time.process_time()
-        base_value = self.baseline.get(f"base_{objective}")
+        spec = self.kind.metrics
+        table: list[dict[str, Any]] = []  # every number of this trial: its MLflow table artifact
 
         def on_epoch(epoch: int, metrics: dict[str, float]) -> None:
-            self.tracker.log_metrics(run_id, metrics, step=epoch)
+            # MLflow gets the objective per epoch (the pruning curve); the other dev metrics go to the table.
+            self.tracker.log_metrics(run_id, {objective: metrics[objective]}, step=epoch)
+            table.extend(spec.rows(metrics, step=epoch))
             value = float(metrics[objective])
-            if base_value is not None:
-                self.tracker.log_metrics(run_id, {f"{objective}_gain_vs_base": value - base_value}, step=epoch)
             trial.report(value, epoch)
             self.progress.epoch(trial.number, epoch, value)
             # After the last epoch the trial is done: pruning it would discard a finished result and save nothing.
@@ -113,11 +119,16 @@ class TrialObjective:
             if time.monotonic() - started > limit:
                 raise TrialTimeout(f"time limit of {limit:.0f}s reached after epoch {epoch}")
 
-        def record_cost() -> dict[str, float]:
+        def record_cost(extra: dict[str, float] | None = None) -> dict[str, float]:
+            """Cost (headline) and the trial's table, with the dataset it ran on: every way a trial ends."""
             cost = {"cost_wall_s": time.monotonic() - started, "cost_cpu_s": time.process_time() - cpu0}
             trial.set_user_attr("wall_s", round(cost["cost_wall_s"], 3))
             trial.set_user_attr("cpu_s", round(cost["cost_cpu_s"], 3))
-            self.tracker.log_metrics(run_id, cost)
+            self.tracker.log_headline(run_id, {**cost, **(extra or {})}, spec)
+            self.tracker.log_table(run_id, table + spec.rows({**cost, **(extra or {})}))
+            dataset = self.datasets.cached(train_cfg)
+            if dataset is not None:
+                self.tracker.log_dataset(run_id, dataset, self.loaded.task)
             return cost
 
         out_dir = self.trials_dir / f"trial-{trial.number:03d}"
@@ -149,10 +160,14 @@ class TrialObjective:
         if objective not in metrics:
             raise KeyError(f"train_adapter returned no {objective!r} (got {sorted(metrics)})")
         value = float(metrics[objective])
-        cost = record_cost()
-        # The final dev metrics are the last epoch's, already logged by on_epoch at that step.
-        train_cost = getattr(result, "cost", None) or {}
-        self.tracker.log_metrics(run_id, {f"train_{k}": v for k, v in dict(train_cost).items()})
+        # The final dev metrics are the last epoch's, already logged by on_epoch at that step; what the kind
+        # measured beside them (training cost, sizes) goes to the table, test numbers never (winner only).
+        train_cost = dict(getattr(result, "cost", None) or {})
+        extra = {k: v for k, v in metrics.items() if not k.startswith(("test_", "dev_"))}
+        extra.update(prefixed(train_cost, "train_cost"))
+        if "usd" in train_cost:
+            extra["cost_usd"] = train_cost["usd"]
+        cost = record_cost(extra)
         adapter_dir = str(getattr(result, "adapter_dir", out_dir))
         # train/ also scores test after each training; keep it beside the adapter, out of Optuna and MLflow,
         # so that only the winner's test numbers are ever read (saves re-encoding the corpus for it).

@@ -80,6 +80,8 @@ class Session:
 
     # ---- parent run -------------------------------------------------------------------------
     def _parent_run(self) -> str:
+        self.tracker.describe(self.loaded.task, self.kind.metrics, params=list(self.cfg.space),
+                              objective=self.loaded.objective)
         run_id = study_attr(self.study, ATTR_PARENT_RUN)
         if run_id is None and not (self.created or self.resume):
             # The creating process writes it right after creating the study; give it a moment.
@@ -130,8 +132,9 @@ class Session:
         # Two processes may race here; both computed the same numbers, the parent gets them once.
         if study_attr(self.study, ATTR_BASELINE) is None:
             self.study.set_user_attr(ATTR_BASELINE, metrics)
-            self.tracker.log_metrics(self.parent_run_id, metrics)
+            self.tracker.log_headline(self.parent_run_id, metrics, self.kind.metrics)  # the rest: summary table
             self.tracker.set_tags(self.parent_run_id, {"lorafleet.dataset_digest": getattr(dataset, "digest", "")})
+            self.tracker.log_dataset(self.parent_run_id, dataset, self.loaded.task)
         return metrics
 
     # ---- trials -----------------------------------------------------------------------------

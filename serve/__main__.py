@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from lorafleet.config import ConfigError, FleetConfig, load_yaml_model
+from lorafleet.nats_auth import CredentialsError
+from lorafleet.nats_client import add_client_arguments, quiet_tls_noise, settings_from_args
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m lorafleet.serve",
-                                description="Run the lorafleet HTTP gateway (OpenAI-compatible embeddings over NATS).")
+                                description="Run the lorafleet HTTP gateway (OpenAI-compatible embeddings and "
+                                            "chat/completions over NATS).")
     p.add_argument("--fleet", required=True, help="Fleet YAML (see configs/fleet.yaml).")
     p.add_argument("--nats-url", default=None, help="NATS server URL (default: the fleet's nats_url).")
     p.add_argument("--host", default=None, help="Address to listen on (default: the fleet's gateway.host).")
@@ -19,21 +23,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gateway-id", default=None, help="Stable id for this gateway's reply inbox (default: random).")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="Log level of the gateway (uvicorn itself logs warnings and errors only).")
+    add_client_arguments(p)
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # Large inputs are tokenized in a thread (encode_batch, which releases the GIL): serially, on no extra core.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    quiet_tls_noise()
     try:
         fleet = load_yaml_model(FleetConfig, args.fleet)
-    except ConfigError as exc:
+        client = settings_from_args(args, fleet.nats)
+        client.options()  # fail here, with a message, on an unreadable credential or TLS file
+    except (ConfigError, CredentialsError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     from lorafleet.serve.routes import run_gateway
 
     run_gateway(fleet, nats_url=args.nats_url, host=args.host, port=args.port, gateway_id=args.gateway_id,
-                log_level="warning" if args.log_level in ("debug", "info") else args.log_level)
+                log_level="warning" if args.log_level in ("debug", "info") else args.log_level, client=client)
     return 0
 
 

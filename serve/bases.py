@@ -1,7 +1,9 @@
-"""What the gateway knows of each base model before any worker answers: its tokenizer and its vector size.
+"""What the gateway knows of each base model before any worker answers: what it does (embed or generate),
+its tokenizer, and its vector size (embed) or its chat template and context (generate).
 
 Loaded once per base, off the request path and off the event loop (tokenizer files are read from
-disk), by `load_bases`, which the gateway runs in a thread at start.
+disk), by `load_bases`, which the gateway runs in a thread at start. What a base does is what its
+runtime plugin declares (`capabilities`, read through the core plugin door).
 """
 
 from __future__ import annotations
@@ -10,9 +12,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from lorafleet.config import FleetConfig
+from lorafleet import plugins
+from lorafleet.config import BaseModelSpec, FleetConfig
 from lorafleet.models import resolve_model_source
+from lorafleet.serve.prompts import CausalPrompts
 from lorafleet.serve.tokens import TokenCounter
+from lorafleet.wire import EMBED, GENERATE
 
 
 def native_dim(source: str) -> int | None:
@@ -33,9 +38,28 @@ def native_dim(source: str) -> int | None:
 
 @dataclass
 class BaseInfo:
-    tokens: TokenCounter
+    tokens: TokenCounter | None  # embed
     dim: int | None  # None until a result tells (a hub id, a model with a Dense head)
+    capability: str = EMBED
+    prompts: CausalPrompts | None = None  # generate
+
+    @property
+    def kind(self) -> str:
+        """What /v1/models says a model of this base is."""
+        return "causal-lm" if self.capability == GENERATE else "embedding"
+
+
+def capability_of(spec: BaseModelSpec) -> str:
+    """`generate` when the base's runtime declares it and not `embed`, else `embed`."""
+    declared = getattr(plugins.load(plugins.RUNTIMES, spec.runtime), "capabilities", frozenset())
+    return GENERATE if GENERATE in declared and EMBED not in declared else EMBED
+
+
+def load_base(spec: BaseModelSpec) -> BaseInfo:
+    if capability_of(spec) == GENERATE:
+        return BaseInfo(None, None, GENERATE, CausalPrompts(spec.source, spec.options, spec.revision))
+    return BaseInfo(TokenCounter.for_source(spec.source), native_dim(spec.source))
 
 
 def load_bases(fleet: FleetConfig) -> dict[str, BaseInfo]:
-    return {b.name: BaseInfo(TokenCounter.for_source(b.source), native_dim(b.source)) for b in fleet.bases}
+    return {b.name: load_base(b) for b in fleet.bases}

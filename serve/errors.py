@@ -27,6 +27,11 @@ def error_response(status: int, code: str, message: str, headers: dict[str, str]
     return Response(body, status_code=status, headers=headers, media_type="application/json")
 
 
+def clip(text: str, limit: int = 100) -> str:
+    """A client-supplied string as it may appear in an error message: at most `limit` characters."""
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
+
+
 def bad_request(code: str, message: str) -> ApiError:
     return ApiError(400, code, message)
 

@@ -1,9 +1,15 @@
-"""The gateway's request core: NATS lifecycle, resolve → count tokens → publish → await results.
+"""The gateway's request core: NATS lifecycle, resolve → count tokens → admit → publish → await results.
 
-Request path (kept lean for throughput): resolve the served name → count tokens → check a live
-worker → publish all tasks concurrently to JetStream → await one future per request, resolved by
-the inbox subscription or by the deadline timer → results in input order. The HTTP side (auth,
-body parsing, response shaping) is serve/routes.py.
+A generative request is one task (`generate`: its prompt rendered and counted by generation.py), awaited
+whole or read as a stream (textstream.py); receipts tell its worker when nobody waits any more.
+
+Request path (kept lean for throughput): resolve the served name → count tokens (in a thread for
+large inputs, so the event loop never stalls) → check the base is served (connected, its consumer
+exists, a live worker) → admission control (admission.py: refuse with 429 what cannot finish
+within the deadline) → publish all tasks concurrently to JetStream → await one future per request,
+resolved by the inbox subscription or by the deadline timer → results in input order. The HTTP
+side (auth, body parsing, response shaping) is serve/routes.py; the queue's state comes from
+queue_monitor.py, which also re-creates a lost stream.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import contextlib
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import nats
@@ -24,67 +31,96 @@ from nats.js.errors import APIError, NoStreamResponseError
 
 from lorafleet import heartbeats, wire
 from lorafleet.config import FleetConfig
-from lorafleet.fleet_state import FleetWatcher, merge_models
-from lorafleet.queue import JS_ERR_STREAM_FULL, ensure_streams
+from lorafleet.fleet_state import FleetEntry, FleetWatcher, merge_models
+from lorafleet.nats_auth import explain_connect_error, gateway_inbox_prefix
+from lorafleet.nats_client import ClientSettings
+from lorafleet.queue import JS_ERR_STREAM_FULL, ensure_fleet_streams
+from lorafleet.serve.admission import judge
 from lorafleet.serve.auth import ApiKeys, load_api_keys
-from lorafleet.serve.bases import load_bases
-from lorafleet.serve.errors import ApiError, bad_request, worker_error
+from lorafleet.serve.bases import BaseInfo, load_bases
+from lorafleet.serve.completions import ROUTE_OF, GenerationBody
+from lorafleet.serve.errors import ApiError, bad_request, clip, worker_error
+from lorafleet.serve.generation import Generation, Prepared, prepare
 from lorafleet.serve.metrics import GatewayMetrics
 from lorafleet.serve.pending import COMPLETE, DUPLICATE, FILLED, LATE, MALFORMED, TIMEOUT, PendingTable
-from lorafleet.serve.resolver import Resolver, Route
+from lorafleet.serve.queue_monitor import QueueMonitor
+from lorafleet.serve.resolver import Resolver, Route, Specialist
+from lorafleet.serve.textstream import TextStream
 from lorafleet.serve.tokens import TokenCounter
 from lorafleet.serve.workers import WorkerRegistry
 
 log = logging.getLogger("lorafleet.serve")
 
-_PUBLISH_TIMEOUT_S = 5.0  # cap on one JetStream publish ack; the request deadline caps it further
+_PUBLISH_TIMEOUT_S = 5.0  # cap on one JetStream publish ack (not the deadline: a 1 ms deadline still publishes)
+_INLINE_TOKENS_CHARS = 32_768  # inputs longer than this in total are counted in a thread, off the event loop
 
 
 class Gateway:
     """State of one gateway process: NATS connection, pending requests, worker liveness, metrics."""
 
-    def __init__(self, fleet: FleetConfig, *, nats_url: str | None = None, gateway_id: str | None = None) -> None:
+    def __init__(self, fleet: FleetConfig, *, nats_url: str | None = None, gateway_id: str | None = None,
+                 client: ClientSettings | None = None) -> None:
         self.fleet = fleet
         self.cfg = fleet.gateway
         self.nats_url = nats_url or fleet.nats_url
         self.gateway_id = gateway_id or f"gw-{uuid.uuid4().hex[:12]}"
+        # Credential and TLS: given, else from the environment and the fleet file (nats_client.ClientSettings).
+        self.client = client if client is not None else ClientSettings.resolve(config=fleet.nats)
         self.resolver = Resolver.from_fleet(fleet)
         self.keys = ApiKeys(load_api_keys(self.cfg.api_keys))
         self.pending = PendingTable()
         self.workers = WorkerRegistry(self.cfg.worker_liveness_s)
         self.metrics = GatewayMetrics(self.pending.tasks_in_flight)
         # Filled by start(): tokenizers are read from disk once per base, off the event loop.
+        self.bases: dict[str, BaseInfo] = {}
         self.tokens: dict[str, TokenCounter] = {}
         self.dims: dict[str, int] = {}
+        self.streams: dict[str, TextStream] = {}  # request id → the text stream of a streaming generation
         self.created = int(time.time())
         self.nc: NatsClient | None = None
         self.js: JetStreamContext | None = None
-        self.stream_ready = False
-        self._inbox = wire.inbox_prefix(self.gateway_id) + "."
+        self.monitor = QueueMonitor(fleet, self.resolver.bases, self.pending.outstanding, self._rewatch_fleet_state)
+        self.metrics.watch_queue(self.resolver.bases, self.monitor.backlog, self.workers.service_rate)
+        # Results arrive on `_INBOX.<credential's public key>.<gateway id>.<request id>`: only this credential
+        # may subscribe there (docs/security.md).
+        self._inbox = gateway_inbox_prefix(self.gateway_id, self.client.creds) + "."
         self._subjects = {b: wire.work_subject(b) for b in self.resolver.bases}
         self._retry_after = {"Retry-After": str(self.cfg.retry_after_s)}
         self._connector: asyncio.Task[None] | None = None
-        self._stream_setup: asyncio.Task[None] | None = None
         self._fleet_watch: FleetWatcher | None = None
+        self._token_pool: ThreadPoolExecutor | None = None
         self._last_nats_error = 0.0
+
+    @property
+    def inbox_prefix(self) -> str:
+        """Where this gateway's results arrive (a task's reply is this plus `.<request id>`)."""
+        return self._inbox[:-1]
+
+    @property
+    def stream_ready(self) -> bool:
+        return self.monitor.stream_exists
 
     # ---- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
         bases = await asyncio.to_thread(load_bases, self.fleet)
-        self.tokens = {name: info.tokens for name, info in bases.items()}
+        self.bases = bases
+        self.tokens = {name: info.tokens for name, info in bases.items() if info.tokens is not None}
         self.dims.update({name: info.dim for name, info in bases.items() if info.dim})
         # Connect in the background: the HTTP server (healthz, readyz → 503) is up while NATS is not.
         self._connector = asyncio.create_task(self._connect(), name="lorafleet-gateway-connect")
 
     async def stop(self) -> None:
+        await self.monitor.stop()
         if self._fleet_watch is not None:
             await self._fleet_watch.stop()
-        for task in (self._connector, self._stream_setup):
-            if task is not None and not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+        if self._token_pool is not None:
+            self._token_pool.shutdown(wait=False, cancel_futures=True)
+        task = self._connector
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
         nc, self.nc, self.js = self.nc, None, None
         if nc is not None and not nc.is_closed:
             with contextlib.suppress(Exception):
@@ -95,8 +131,8 @@ class Gateway:
             await self._connect_once()
         except asyncio.CancelledError:
             raise
-        except Exception:  # e.g. a malformed URL: say so loudly, the gateway stays unready (readyz 503)
-            log.exception("gateway %s cannot connect to NATS at %s", self.gateway_id, self.nats_url)
+        except Exception as exc:  # e.g. refused credentials: say so loudly, the gateway stays unready (readyz 503)
+            log.error("gateway %s cannot connect: %s", self.gateway_id, explain_connect_error(exc, self.nats_url))
 
     async def _connect_once(self) -> None:
         nc = await nats.connect(
@@ -108,20 +144,31 @@ class Gateway:
             error_cb=self._on_nats_error,
             disconnected_cb=self._on_disconnected,
             reconnected_cb=self._on_reconnected,
+            **self.client.options(),
         )
         js = nc.jetstream()
         await nc.subscribe(self._inbox + ">", cb=self._on_result)
-        await heartbeats.subscribe(nc, self.workers.observe)
+        await heartbeats.subscribe(nc, self._on_heartbeat)
         self.nc, self.js = nc, js
         log.info("gateway %s connected to %s", self.gateway_id, self.nats_url)
+        await self._ensure_streams()  # before the fleet watch: a brand-new server has neither yet
         await self._watch_fleet_state(js)
-        await self._ensure_streams()
+        self.monitor.start(js)
+
+    async def _rewatch_fleet_state(self) -> None:
+        """The streams were lost (a memory store restarted): the fleet bucket may be gone with them."""
+        if self._fleet_watch is not None:
+            await self._fleet_watch.stop()
+            self._fleet_watch = None
+        if self.js is not None:
+            await self._watch_fleet_state(self.js)  # creates the bucket if missing (a gateway may)
 
     async def _watch_fleet_state(self, js: JetStreamContext) -> None:
         """Promoted bundles (`lorafleet promote`) arrive through the fleet KV bucket; routes swap live."""
 
         def on_change(table: dict[str, Any]) -> None:
-            self.resolver.set_models(merge_models(self.fleet.models, table.values(), self.resolver.bases))
+            self.resolver.set_models(merge_models(self.fleet.models, table.values(), self.resolver.bases),
+                                     specialists(table.values()))
             log.info("fleet state: serving %s", ", ".join(self.resolver.served_names()))
 
         try:
@@ -131,13 +178,13 @@ class Gateway:
             log.warning("cannot watch the fleet state bucket: %r; serving the fleet file's models only", exc)
 
     async def _ensure_streams(self) -> None:
+        """Create the streams if missing (a gateway may create, never reconfigure: that is `lorafleet up`'s)."""
         while self.js is not None:
             try:
-                await ensure_streams(self.js, self.fleet.queue)
-                self.stream_ready = True
+                await ensure_fleet_streams(self.js, self.fleet, update=False)
+                self.monitor.stream_exists = True
                 return
             except Exception as exc:  # JetStream off, server restarting, …: keep trying, readyz says so
-                self.stream_ready = False
                 log.warning("cannot set up stream %s yet: %r; retrying", self.fleet.queue.stream, exc)
                 await asyncio.sleep(1.0)
 
@@ -146,25 +193,32 @@ class Gateway:
         now = time.monotonic()
         if now - self._last_nats_error > 10.0:
             self._last_nats_error = now
-            log.warning("NATS %s: %r", self.nats_url, exc)
+            log.warning("NATS: %s", explain_connect_error(exc, self.nats_url))
 
     async def _on_disconnected(self) -> None:
         log.warning("gateway %s disconnected from NATS", self.gateway_id)
 
     async def _on_reconnected(self) -> None:
         log.info("gateway %s reconnected to NATS", self.gateway_id)
-        # A restarted server with a memory store has lost the stream; recreate it.
-        if self._stream_setup is None or self._stream_setup.done():
-            self._stream_setup = asyncio.get_running_loop().create_task(self._ensure_streams())
+        self.monitor.trigger()  # a restarted server with a memory store has lost the stream: re-create it now
 
     # ---- NATS callbacks ----------------------------------------------------------------------
+
+    def _on_heartbeat(self, hb: wire.Heartbeat) -> None:
+        self.workers.observe(hb)
+        # A worker lists a base only while its consumer exists: if the last read missed it, read again now.
+        if any(b in self.monitor.queues and not self.monitor.consumer_present(b) for b in hb.bases):
+            self.monitor.trigger()
 
     async def _on_result(self, msg: Msg) -> None:
         request_id = msg.subject[len(self._inbox):]
         if msg.reply:
             # Confirm receipt: a worker acks its task only once a gateway has the result, so a
-            # result sent while this gateway was reconnecting is redelivered instead of lost.
-            await self.nc.publish(msg.reply, b"")
+            # result sent while this gateway was reconnecting is redelivered instead of lost. The body says
+            # whether anyone still waits for the request: a generating worker stops when nobody does.
+            await self.nc.publish(msg.reply, b"" if request_id in self.pending else wire.RECEIPT_CANCEL)
+        if not msg.data:
+            return  # a worker's probe (sidecar/owners.py, streaming.py): is this task's gateway still here?
         try:
             result = wire.Result.from_wire(msg.data)
         except Exception:  # a stray message on our inbox must not kill the subscription
@@ -174,6 +228,13 @@ class Gateway:
         if problem is not None:
             # Never answer a client with a vector of the wrong size: fail the request instead.
             result.error_code, result.error_message = wire.ERR_MALFORMED, problem
+        stream = self.streams.get(request_id)
+        if result.is_chunk:
+            if stream is not None:
+                stream.chunk(result)
+            return
+        if stream is not None and result.ok:
+            stream.final(result)
         pending = self.pending.get(request_id)
         outcome = self.pending.deliver(request_id, result)
         if outcome is FILLED or outcome is COMPLETE:
@@ -190,11 +251,17 @@ class Gateway:
         route = self.resolver.resolve(name)
         if route is None:
             names = ", ".join(self.resolver.served_names())
-            raise ApiError(404, "model_not_found", f"model {name!r} is not served here; served models: {names}")
+            raise ApiError(404, "model_not_found", f"model {clip(name)!r} is not served here; served models: {names}")
         return route
 
-    def _count_tokens(self, route: Route, inputs: list[str]) -> list[int]:
-        counts = self.tokens[route.base].count(inputs)
+    async def _count_tokens(self, route: Route, inputs: list[str]) -> list[int]:
+        counter = self.tokens[route.base]
+        if sum(len(t) for t in inputs) <= _INLINE_TOKENS_CHARS:
+            counts = counter.count(inputs)
+        else:  # megabytes of text take a second to tokenize: never on the event loop (healthz, other requests)
+            if self._token_pool is None:
+                self._token_pool = ThreadPoolExecutor(1, thread_name_prefix="lorafleet-tokens")
+            counts = await asyncio.get_running_loop().run_in_executor(self._token_pool, counter.count_in_thread, inputs)
         limit = self.cfg.max_input_tokens
         for i, n in enumerate(counts):
             if n > limit:
@@ -221,9 +288,10 @@ class Gateway:
 
     async def embed(self, route: Route, inputs: list[str], deadline_s: float) -> tuple[list[wire.Result], int]:
         """Publish one task per input and return the results in input order plus the prompt tokens."""
-        counts = self._count_tokens(route, inputs)
+        counts = await self._count_tokens(route, inputs)
         js = self._check_available(route.base)
         n = len(inputs)
+        self._admit(route.base, n, deadline_s)
         request_id = uuid.uuid4().hex
         now = time.time()
         reply = self._inbox + request_id
@@ -237,12 +305,12 @@ class Gateway:
         ]
         pending = self.pending.add(request_id, route.base, n, deadline_s)  # before publishing: replies may be fast
         try:
-            timeout = max(min(deadline_s, _PUBLISH_TIMEOUT_S), 0.001)
+            timeout = _PUBLISH_TIMEOUT_S
             if n == 1:  # the common case: skip gather's extra task
                 try:
                     await js.publish(subject, payloads[0], timeout=timeout, headers={wire.HDR_MSG_ID: ids[0]})
                 except Exception as exc:
-                    raise self._publish_error(exc, deadline_s) from exc
+                    raise self._publish_error(exc, deadline_s, pending) from exc
             else:
                 # All publishes in flight at once: one awaited publish after another is ~5x slower.
                 outcomes = await asyncio.gather(
@@ -252,7 +320,7 @@ class Gateway:
                 )
                 for out in outcomes:
                     if isinstance(out, BaseException):
-                        raise self._publish_error(out, deadline_s) from out
+                        raise self._publish_error(out, deadline_s, pending) from out
             self.metrics.published(route.base, n)
             value = await pending.future
         finally:
@@ -260,19 +328,83 @@ class Gateway:
         if value is None:
             return pending.results, sum(counts)  # type: ignore[return-value]  # all slots filled
         if value is TIMEOUT:
-            raise ApiError(
-                504, "deadline_exceeded",
-                f"the deadline of {deadline_s * 1000:.0f} ms passed with {pending.filled} of {n} inputs embedded; "
-                "send a longer X-Lorafleet-Deadline-Ms (or deadline_ms) or retry when the queue is shorter",
-            )
+            raise self._deadline_error(deadline_s, pending.filled, n)
         assert isinstance(value, wire.Result) and value.error_code is not None
         raise worker_error(value.error_code, value.error_message, value.index, self.cfg.retry_after_s)
 
-    def _publish_error(self, exc: BaseException, deadline_s: float) -> ApiError:
+    def require(self, route: Route, capability: str) -> BaseInfo:
+        """400 naming the right route when the model does not do what this route asks."""
+        info = self.bases[route.base]
+        if info.capability != capability:
+            if info.capability == wire.GENERATE:
+                raise bad_request("wrong_route", f"model {route.name!r} generates text; use POST "
+                                  f"{ROUTE_OF['chat']} or POST {ROUTE_OF['completion']}")
+            raise bad_request("wrong_route", f"model {route.name!r} embeds text; use POST /v1/embeddings (or POST "
+                              "/v1/encode/{model})")
+        return info
+
+    async def prepare(self, route: Route, body: GenerationBody) -> Prepared:
+        """Render, count and check the prompt (in a thread when it is large: never stall the event loop)."""
+        prompts = self.require(route, wire.GENERATE).prompts
+        assert prompts is not None
+        size = len(body.prompt or "") + sum(len(m["content"]) for m in body.messages or ())
+        if size <= _INLINE_TOKENS_CHARS:
+            return prepare(body, route, prompts)
+        if self._token_pool is None:
+            self._token_pool = ThreadPoolExecutor(1, thread_name_prefix="lorafleet-tokens")
+        return await asyncio.get_running_loop().run_in_executor(self._token_pool, prepare, body, route, prompts)
+
+    async def generate(self, route: Route, prepared: Prepared, deadline_s: float) -> Generation:
+        """Publish one generate task; the handle awaits its result (or streams its text)."""
+        js = self._check_available(route.base)
+        self._admit(route.base, 1, deadline_s)
+        request_id = uuid.uuid4().hex
+        now = time.time()
+        task_id = f"{request_id}.0"
+        payload = wire.Task(id=task_id, request_id=request_id, index=0, model=route.name, base=route.base,
+                            text=prepared.prompt, tokens=prepared.prompt_tokens, deadline=now + deadline_s,
+                            reply=self._inbox + request_id, adapter=route.adapter, adapter_uri=route.adapter_uri,
+                            enqueued=now, op=wire.GENERATE, params=prepared.params.to_params()).to_wire()
+        pending = self.pending.add(request_id, route.base, 1, deadline_s)
+        stream = None
+        if prepared.params.stream:
+            stream = self.streams[request_id] = TextStream()
+        generation = Generation(self, request_id, pending, deadline_s, stream)
+        try:
+            await js.publish(self._subjects[route.base], payload, timeout=_PUBLISH_TIMEOUT_S,
+                             headers={wire.HDR_MSG_ID: task_id})
+        except Exception as exc:
+            error = self._publish_error(exc, deadline_s, pending)
+            generation.close()
+            raise error from exc
+        self.metrics.published(route.base, 1)
+        return generation
+
+    def _admit(self, base: str, n: int, deadline_s: float) -> None:
+        """429 when the backlog ahead, at the workers' measured rate, leaves no room within the deadline."""
+        refusal = judge(self.monitor.backlog(base), n, self.workers.service_rate(base), deadline_s,
+                        self.cfg.admit_fraction, self.cfg.retry_after_s)
+        if refusal is not None:
+            self.metrics.refused(base)
+            raise ApiError(429, "overloaded", refusal.message(base, n), {"Retry-After": str(refusal.retry_after_s)})
+
+    @staticmethod
+    def _deadline_error(deadline_s: float, filled: int, n: int) -> ApiError:
+        return ApiError(
+            504, "deadline_exceeded",
+            f"the deadline of {deadline_s * 1000:.0f} ms passed with {filled} of {n} inputs embedded; "
+            "send a longer X-Lorafleet-Deadline-Ms (or deadline_ms) or retry when the queue is shorter",
+        )
+
+    def _publish_error(self, exc: BaseException, deadline_s: float, pending: Any) -> ApiError:
+        if pending.future.done() and pending.future.result() is TIMEOUT:
+            # The deadline passed while publishing (a 1 ms deadline): that, not the publish, is the answer.
+            return self._deadline_error(deadline_s, pending.filled, pending.n)
         if isinstance(exc, APIError) and exc.err_code in JS_ERR_STREAM_FULL:
             return ApiError(429, "queue_full", f"the work queue is full ({exc.description}); retry later",
                             self._retry_after)
         if isinstance(exc, NoStreamResponseError):
+            self.monitor.trigger()  # the stream is gone: re-create it now, not at the next read
             return ApiError(503, "queue_unavailable",
                             f"the work stream {self.fleet.queue.stream} does not answer; retry shortly",
                             self._retry_after)
@@ -293,22 +425,33 @@ class Gateway:
             raise bad_request("unsupported_dimensions", f"model {route.name!r} returns {what}")
 
     async def readiness(self) -> tuple[bool, dict[str, Any]]:
-        """(ready, detail) for /readyz: connected, the work stream answers, live workers per base."""
-        nc, js = self.nc, self.js
+        """(ready, detail) for /readyz: a request for every base can be served end to end now — connected,
+        the stream and each base's consumer exist, a live worker pulls for it. Nothing secret in it."""
+        nc = self.nc
         connected = nc is not None and nc.is_connected
-        stream = False
-        if connected and js is not None:
-            try:
-                await asyncio.wait_for(js.stream_info(self.fleet.queue.stream), 2.0)
-                stream = True
-            except Exception:
-                stream = False
-        self.stream_ready = stream
-        ready = connected and stream
+        live = self.workers.live_counts(self.resolver.bases)
+        bases: dict[str, Any] = {}
+        for base in self.resolver.bases:
+            queue = self.monitor.queues[base]
+            consumer = connected and self.monitor.read_ok and self.monitor.consumer_present(base)
+            bases[base] = {"consumer": consumer, "workers": live[base], "pulling": queue.pulling,
+                           "ready": consumer and live[base] > 0 and queue.pulling}
+        ready = connected and self.monitor.stream_exists and all(b["ready"] for b in bases.values())
         return ready, {
             "ready": ready,
             "gateway_id": self.gateway_id,
-            "nats": {"url": self.nats_url, "connected": connected},
-            "stream": {"name": self.fleet.queue.stream, "exists": stream},
-            "workers": self.workers.live_counts(self.resolver.bases),
+            "nats": {"connected": connected},
+            "stream": {"name": self.fleet.queue.stream, "exists": self.monitor.stream_exists},
+            "workers": live,
+            "bases": bases,
         }
+
+
+def specialists(entries: Any) -> dict[str, Specialist]:
+    """What generative bundles add to their served names (system prompt, chat template, defaults)."""
+    out: dict[str, Specialist] = {}
+    for e in entries:
+        assert isinstance(e, FleetEntry)
+        if e.system_prompt or e.chat_template or e.generation:
+            out[e.name] = Specialist(e.system_prompt, e.chat_template, e.generation)
+    return out

@@ -15,6 +15,9 @@ BATCH_SIZE = "lorafleet_gateway_batch_size"  # histogram{base}, from Result.batc
 TASKS_IN_FLIGHT = "lorafleet_gateway_tasks_in_flight"  # gauge
 DROPPED_RESULTS = "lorafleet_gateway_dropped_results"  # _total{reason=late|duplicate|malformed}
 TASKS_PUBLISHED = "lorafleet_gateway_tasks_published"  # _total{base}
+REFUSED = "lorafleet_gateway_refused"  # _total{base}: 429 from admission control
+BACKLOG = "lorafleet_gateway_backlog_tasks"  # gauge{base}: tasks ahead of a new request
+SERVICE_RATE = "lorafleet_gateway_service_rate"  # gauge{base}: tasks/s the live workers complete (-1: unknown)
 
 _LATENCY_BUCKETS = (0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2,
                     0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
@@ -38,6 +41,10 @@ class GatewayMetrics:
         self.dropped_results = Counter(DROPPED_RESULTS, "Results dropped: late (request gone), duplicate, malformed.",
                                        ["reason"], registry=r)
         self.tasks_published = Counter(TASKS_PUBLISHED, "Tasks published to the work stream.", ["base"], registry=r)
+        self.refused_requests = Counter(REFUSED, "Requests refused by admission control (429).", ["base"], registry=r)
+        self.backlog = Gauge(BACKLOG, "Tasks queued or being computed ahead of a new request.", ["base"], registry=r)
+        self.service_rate = Gauge(SERVICE_RATE, "Tasks per second the live workers of a base complete (-1: not "
+                                  "measured yet).", ["base"], registry=r)
         # Computed at scrape time from the pending table: zero cost on the request path.
         self.tasks_in_flight = Gauge(TASKS_IN_FLIGHT, "Tasks published and still awaiting their result.",
                                      registry=r)
@@ -72,6 +79,16 @@ class GatewayMetrics:
         if child is None:
             child = self._published_children[base] = self.tasks_published.labels(base)
         child.inc(n)
+
+    def watch_queue(self, bases: Any, backlog: Callable[[str], float],
+                    rate: Callable[[str], float | None]) -> None:
+        """Backlog and service rate per base, read at scrape time."""
+        for base in bases:
+            self.backlog.labels(base).set_function(lambda b=base: backlog(b))
+            self.service_rate.labels(base).set_function(lambda b=base: -1.0 if (v := rate(b)) is None else v)
+
+    def refused(self, base: str) -> None:
+        self.refused_requests.labels(base).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

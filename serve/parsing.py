@@ -50,16 +50,27 @@ def check_inputs(raw: Any, field: str, max_inputs: int) -> list[str]:
     return raw
 
 
-def parse_embeddings(body: bytes, max_inputs: int) -> EmbeddingsRequest:
-    """The OpenAI `POST /v1/embeddings` body; unknown keys (e.g. `user`) are ignored, as OpenAI servers do."""
+def load_json_object(body: bytes, expected: str) -> dict[str, Any]:
+    """The JSON object of a request body; `expected` names its main keys for the error message."""
     if not body:
-        raise bad_request("invalid_json", "the request body is empty; send a JSON object with 'model' and 'input'")
+        raise bad_request("invalid_json", f"the request body is empty; send a JSON object with {expected}")
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError as bad:
+            raise bad_request("invalid_encoding", f"the request body is not UTF-8 (invalid byte at offset "
+                              f"{bad.start}); send JSON encoded as UTF-8") from exc
         raise bad_request("invalid_json", f"the request body is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise bad_request("invalid_json", f"the request body must be a JSON object, got {_kind(data)}")
+    return data
+
+
+def parse_embeddings(body: bytes, max_inputs: int) -> EmbeddingsRequest:
+    """The OpenAI `POST /v1/embeddings` body; unknown keys (e.g. `user`) are ignored, as OpenAI servers do."""
+    data = load_json_object(body, "'model' and 'input'")
     model = data.get("model")
     if model is None:
         raise bad_request("missing_model", "'model' is missing; GET /v1/models lists the served names")
@@ -86,7 +97,8 @@ def parse_encode(body: bytes, max_inputs: int) -> EncodeRequest:
     try:
         data = msgpack.unpackb(body, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types (ExtraData, ValueError, UnicodeDecodeError…)
-        raise bad_request("invalid_msgpack", f"the request body is not valid MessagePack: {exc}") from exc
+        reason = msgpack_reason(exc)
+        raise bad_request("invalid_msgpack", f"the request body is not valid MessagePack: {reason}") from exc
     if not isinstance(data, dict):
         raise bad_request("invalid_msgpack", f"the request body must be a MessagePack map, got {_kind(data)}")
     if "inputs" not in data:
@@ -96,6 +108,22 @@ def parse_encode(body: bytes, max_inputs: int) -> EncodeRequest:
     if deadline is not None:
         deadline = _positive_ms(deadline, "deadline_ms")
     return EncodeRequest(inputs=inputs, deadline_ms=deadline)
+
+
+def msgpack_reason(exc: Exception) -> str:
+    """What msgpack's error means: several of its errors carry no message, or one about internal limits."""
+    name, text = type(exc).__name__, str(exc)
+    if isinstance(exc, msgpack.ExtraData):
+        return "extra bytes after the first MessagePack object; send exactly one map"
+    if isinstance(exc, UnicodeDecodeError):
+        return "a string is not valid UTF-8; send text as UTF-8 (binary data as MessagePack bin)"
+    if name == "FormatError":
+        return "not MessagePack (a byte that starts no MessagePack type)"
+    if name == "StackError":
+        return "nested too deeply"
+    if "incomplete input" in text or "exceeds max_" in text or not text:
+        return "the data ends early (truncated MessagePack)"
+    return f"{name}: {text[:200]}"
 
 
 def deadline_seconds(header: str | None, body_ms: float | None, default_s: float, max_s: float) -> float:

@@ -45,6 +45,7 @@ class PendingRequest:
 class PendingTable:
     def __init__(self) -> None:
         self._pending: dict[str, PendingRequest] = {}
+        self._outstanding: dict[str, int] = {}  # base → tasks published and not yet answered (admission)
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -58,6 +59,7 @@ class PendingTable:
         pending = PendingRequest(request_id, base, n, loop.create_future())
         pending.timer = loop.call_later(max(timeout_s, 0.0), self._expire, request_id)
         self._pending[request_id] = pending
+        self._outstanding[base] = self._outstanding.get(base, 0) + n
         return pending
 
     def get(self, request_id: str) -> PendingRequest | None:
@@ -66,8 +68,11 @@ class PendingTable:
     def discard(self, request_id: str) -> None:
         """Forget a request (answered, failed or abandoned); its later results count as late."""
         pending = self._pending.pop(request_id, None)
-        if pending is not None and pending.timer is not None:
+        if pending is None:
+            return
+        if pending.timer is not None:
             pending.timer.cancel()
+        self._outstanding[pending.base] -= pending.outstanding
 
     def deliver(self, request_id: str, result: Result) -> str:
         pending = self._pending.get(request_id)
@@ -80,6 +85,7 @@ class PendingTable:
             return DUPLICATE
         pending.results[i] = result
         pending.filled += 1
+        self._outstanding[pending.base] -= 1
         if result.error_code is not None:
             self._finish(pending, result)
             return FAILED
@@ -90,6 +96,10 @@ class PendingTable:
 
     def tasks_in_flight(self) -> int:
         return sum(p.outstanding for p in self._pending.values())
+
+    def outstanding(self, base: str) -> int:
+        """Tasks of `base` this gateway published and awaits (O(1): kept by add, deliver and discard)."""
+        return self._outstanding.get(base, 0)
 
     def _finish(self, pending: PendingRequest, value: object) -> None:
         self.discard(pending.request_id)

@@ -7,10 +7,20 @@ registry feeds it from the fleet KV bucket), so a lookup never sees a half-updat
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from lorafleet.config import ConfigError, FleetConfig, ServedModel, check_served_models
+
+
+@dataclass(frozen=True, slots=True)
+class Specialist:
+    """What a generative bundle brings besides its adapter (from its fleet-state entry)."""
+
+    system_prompt: str | None = None
+    chat_template: str | None = None
+    defaults: Mapping[str, Any] | None = None  # max_tokens, temperature, top_p when a request leaves them out
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,6 +29,7 @@ class Route:
     base: str
     adapter: str | None = None  # adapter id (workers' cache key); None for the bare base
     adapter_uri: str | None = None
+    specialist: Specialist | None = None
 
 
 class Resolver:
@@ -37,13 +48,14 @@ class Resolver:
     def bases(self) -> tuple[str, ...]:
         return self._bases
 
-    def set_models(self, models: Iterable[ServedModel]) -> None:
+    def set_models(self, models: Iterable[ServedModel], specialists: Mapping[str, Specialist] | None = None) -> None:
         """Replace every adapter route; base names always stay. Raises ConfigError, changing nothing."""
         models = list(models)
         check_served_models(self._bases, models)
         routes = {b: Route(name=b, base=b) for b in self._bases}
         for m in models:
-            routes[m.name] = Route(name=m.name, base=m.base, adapter=m.resolved_adapter_id, adapter_uri=m.adapter)
+            routes[m.name] = Route(name=m.name, base=m.base, adapter=m.resolved_adapter_id, adapter_uri=m.adapter,
+                                   specialist=(specialists or {}).get(m.name))
         self._routes = routes  # one assignment: readers see the old table or the new one
 
     def resolve(self, name: str) -> Route | None:

@@ -1,12 +1,19 @@
 """The gateway's HTTP side: routes, auth, body limits, request parsing and response shaping.
 
-Handlers parse and check the request (serve/parsing.py), hand it to the request core
-(serve/gateway.py) and shape its answer; every error is the JSON `{"error": {"code", "message"}}`
-with the right status, and every request is counted by route, model and status.
+Handlers parse and check the request (serve/parsing.py, serve/completions.py), hand it to the
+request core (serve/gateway.py) and shape its answer; every error is the JSON `{"error": {"code",
+"message"}}` with the right status, and every request is counted by route, model and status.
+
+Generative routes answer with one JSON body or, with `stream: true`, with server-sent events: the
+role, text deltas as they arrive, the finish reason, usage (with `stream_options.include_usage`),
+`data: [DONE]`; an error after the first event is an explicit `data: {"error": …}` event. A client
+that disconnects (streaming or not) makes the gateway forget the request, and the worker stops
+generating at its next check-in.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import logging
@@ -18,13 +25,16 @@ import orjson
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route as HttpRoute
 
 from lorafleet import wire
 from lorafleet.config import FleetConfig
+from lorafleet.nats_client import ClientSettings
+from lorafleet.serve.completions import CHAT, COMPLETION, DONE, Shaper, error_event, parse_generation
 from lorafleet.serve.errors import ApiError, bad_request, error_response
 from lorafleet.serve.gateway import Gateway
+from lorafleet.serve.generation import Generation
 from lorafleet.serve.metrics import CONTENT_TYPE
 from lorafleet.serve.parsing import deadline_seconds, parse_embeddings, parse_encode
 
@@ -48,6 +58,7 @@ class Routes:
             req = parse_embeddings(await read_body(request, self.gw.cfg.max_body_bytes), self.gw.cfg.max_inputs)
             route = self.gw.resolve(req.model)
             model = route.name
+            self.gw.require(route, wire.EMBED)
             self.gw.check_dimensions(route, req.dimensions)
             deadline_s = deadline_seconds(request.headers.get(DEADLINE_HEADER), None,
                                           self.gw.cfg.default_deadline_s, self.gw.cfg.max_deadline_s)
@@ -81,6 +92,7 @@ class Routes:
             self.gw.keys.check(request.headers.get("authorization"))
             route = self.gw.resolve(request.path_params["model"])
             model = route.name
+            self.gw.require(route, wire.EMBED)
             req = parse_encode(await read_body(request, self.gw.cfg.max_body_bytes), self.gw.cfg.max_inputs)
             deadline_s = deadline_seconds(request.headers.get(DEADLINE_HEADER), req.deadline_ms,
                                           self.gw.cfg.default_deadline_s, self.gw.cfg.max_deadline_s)
@@ -95,6 +107,78 @@ class Routes:
         self._observe("encode", model, response.status_code, t0)
         return response
 
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, CHAT)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, COMPLETION)
+
+    async def _generate(self, request: Request, kind: str) -> Response:
+        t0 = time.perf_counter()
+        name = "chat" if kind == CHAT else "completions"
+        model = "_invalid"
+        try:
+            self.gw.keys.check(request.headers.get("authorization"))
+            body = parse_generation(await read_body(request, self.gw.cfg.max_body_bytes), kind)  # type: ignore[arg-type]
+            route = self.gw.resolve(body.model)
+            model = route.name
+            deadline_s = deadline_seconds(request.headers.get(DEADLINE_HEADER), None,
+                                          self.gw.cfg.default_deadline_s, self.gw.cfg.max_deadline_s)
+            prepared = await self.gw.prepare(route, body)
+            generation = await self.gw.generate(route, prepared, deadline_s)
+            shaper = Shaper(body.kind, route.name, generation.request_id)
+            if body.stream:  # counted when the stream ends
+                return StreamingResponse(self._events(generation, shaper, body.include_usage, model, t0),
+                                         media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            try:
+                result = await _unless_disconnected(request, generation)
+            finally:
+                generation.close()
+            if result is None:  # the client is gone; nobody reads this
+                response = error_response(499, "client_closed_request", "the client closed the connection")
+            else:
+                response = Response(shaper.whole(result.text or "", result.finish_reason, result.prompt_tokens,
+                                                 result.completion_tokens), media_type="application/json")
+        except ApiError as exc:
+            response = exc.response()
+        except Exception as exc:  # a bug, not the client's fault: still the JSON error shape, and counted
+            log.exception("%s failed", request.url.path)
+            response = error_response(500, "internal_error", f"the gateway failed: {exc!r}")
+        self._observe(name, model, response.status_code, t0)
+        return response
+
+    async def _events(self, generation: Generation, shaper: Shaper, include_usage: bool, model: str,
+                      t0: float) -> AsyncIterator[bytes]:
+        """The SSE body of a streamed generation; cancelled by Starlette when the client disconnects."""
+        stream = generation.stream
+        assert stream is not None
+        code = 200
+        try:
+            if shaper.kind == CHAT:
+                yield shaper.event(None, role=True)
+            while True:
+                event = await stream.events.get()
+                if event.kind == "delta":
+                    yield shaper.event(event.text)
+                elif event.kind == "final":
+                    r = event.result
+                    assert r is not None
+                    yield shaper.event(None, r.finish_reason)
+                    if include_usage:
+                        yield shaper.usage_event(r.prompt_tokens, r.completion_tokens)
+                    yield DONE
+                    return
+                else:
+                    code = 504 if event.code == "deadline_exceeded" else 500
+                    yield error_event(event.code, event.message)
+                    return
+        except BaseException:
+            code = 499  # the client went away mid-stream
+            raise
+        finally:
+            generation.close()
+            self._observe("chat" if shaper.kind == CHAT else "completions", model, code, t0)
+
     def _observe(self, route: str, model: str, code: int, t0: float) -> None:
         self.gw.metrics.request_done(route, model, code, time.perf_counter() - t0)
 
@@ -105,7 +189,9 @@ class Routes:
             return exc.response()
         data = [
             {"id": r.name, "object": "model", "created": self.gw.created, "owned_by": "lorafleet", "root": r.base,
-             "adapter": r.adapter}
+             "adapter": r.adapter, "kind": info.kind if (info := self.gw.bases.get(r.base)) else None,
+             "capability": info.capability if info else None,
+             **({"context_length": info.prompts.context} if info and info.prompts else {})}
             for r in self.gw.resolver.routes()
         ]
         return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
@@ -120,6 +206,23 @@ class Routes:
     async def metrics_endpoint(self, request: Request) -> Response:
         return Response(self.gw.metrics.render(), media_type=CONTENT_TYPE)
 
+
+
+async def _unless_disconnected(request: Request, generation: Generation) -> wire.Result | None:
+    """The generation's result, or None as soon as the client disconnects (after its whole body was read, the
+    only message an ASGI server still delivers is the disconnect)."""
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait([generation.future, watcher], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if generation.future not in done:
+        return None
+    return await generation.result()
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -155,9 +258,13 @@ async def _http_error(request: Request, exc: Exception) -> Response:
                           dict(exc.headers) if exc.headers else None)
 
 
-def create_app(fleet: FleetConfig, *, nats_url: str | None = None, gateway_id: str | None = None) -> Starlette:
-    """The gateway's Starlette app; `app.state.gateway` is its Gateway (resolver, metrics, …)."""
-    gateway = Gateway(fleet, nats_url=nats_url, gateway_id=gateway_id)
+def create_app(fleet: FleetConfig, *, nats_url: str | None = None, gateway_id: str | None = None,
+               client: ClientSettings | None = None) -> Starlette:
+    """The gateway's Starlette app; `app.state.gateway` is its Gateway (resolver, metrics, …).
+
+    `client`: the NATS credential and TLS files (default: from the environment and the fleet file).
+    """
+    gateway = Gateway(fleet, nats_url=nats_url, gateway_id=gateway_id, client=client)
     r = Routes(gateway)
 
     @contextlib.asynccontextmanager
@@ -171,6 +278,8 @@ def create_app(fleet: FleetConfig, *, nats_url: str | None = None, gateway_id: s
     routes = [
         HttpRoute("/v1/embeddings", r.embeddings, methods=["POST"]),
         HttpRoute("/v1/encode/{model}", r.encode, methods=["POST"]),
+        HttpRoute("/v1/chat/completions", r.chat_completions, methods=["POST"]),
+        HttpRoute("/v1/completions", r.completions, methods=["POST"]),
         HttpRoute("/v1/models", r.models, methods=["GET"]),
         HttpRoute("/healthz", r.healthz, methods=["GET"]),
         HttpRoute("/readyz", r.readyz, methods=["GET"]),
@@ -190,13 +299,14 @@ def uvicorn_config(app: Starlette, host: str, port: int, log_level: str = "warni
 
 
 def run_gateway(fleet: FleetConfig, *, nats_url: str | None = None, host: str | None = None,
-                port: int | None = None, gateway_id: str | None = None, log_level: str = "warning") -> None:
+                port: int | None = None, gateway_id: str | None = None, log_level: str = "warning",
+                client: ClientSettings | None = None) -> None:
     """Serve the gateway until SIGINT/SIGTERM (blocking)."""
     import uvicorn
 
     host = host or fleet.gateway.host
     port = fleet.gateway.port if port is None else port
-    app = create_app(fleet, nats_url=nats_url, gateway_id=gateway_id)
+    app = create_app(fleet, nats_url=nats_url, gateway_id=gateway_id, client=client)
     gw: Gateway = app.state.gateway
     log.info("gateway %s on http://%s:%d, NATS %s", gw.gateway_id, host, port, gw.nats_url)
     uvicorn.Server(uvicorn_config(app, host, port, log_level)).run()

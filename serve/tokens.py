@@ -65,3 +65,12 @@ class TokenCounter:
             return [estimate_tokens(t) for t in texts]
         # encode() per text: encode_batch would spin up rayon threads on cores the workers need.
         return [len(tok.encode(t, add_special_tokens=True)) for t in texts]
+
+    def count_in_thread(self, texts: list[str]) -> list[int]:
+        """The same counts for a thread beside the event loop: `encode` holds the GIL for the whole text
+        (3 MB: 2.4 s of a stalled process), `encode_batch` releases it. Serial, taking no extra core, as
+        long as TOKENIZERS_PARALLELISM=false, which the gateway sets (serve/__main__.py)."""
+        tok = self._tokenizer
+        if tok is None:
+            return [estimate_tokens(t) for t in texts]
+        return [len(e) for e in tok.encode_batch(texts, add_special_tokens=True)]

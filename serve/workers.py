@@ -1,9 +1,15 @@
-"""Which bases have a live worker, from heartbeats (never used for routing, only for 503 and /readyz)."""
+"""Which bases have a live worker, and how fast they serve, from heartbeats (never used for routing).
+
+Liveness answers 503 (no worker) and feeds /readyz; the service rates the workers measured
+(`Heartbeat.service_rates`, tasks per busy second) add up to a base's capacity, which admission
+control divides the backlog by. A worker lists only the bases it can pull for right now (its
+consumer exists), so a base whose consumer vanished has no live worker until it is re-created.
+"""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lorafleet.wire import Heartbeat
 
@@ -13,6 +19,7 @@ class WorkerSeen:
     bases: tuple[str, ...]
     draining: bool
     seen: float  # time.monotonic() when the heartbeat arrived (the worker's clock may differ from ours)
+    rates: dict[str, float] = field(default_factory=dict)
 
 
 class WorkerRegistry:
@@ -22,7 +29,7 @@ class WorkerRegistry:
 
     def observe(self, hb: Heartbeat, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
-        self._workers[hb.worker] = WorkerSeen(tuple(hb.bases), hb.draining, now)
+        self._workers[hb.worker] = WorkerSeen(tuple(hb.bases), hb.draining, now, dict(hb.service_rates))
 
     def _live(self, now: float) -> list[WorkerSeen]:
         horizon = now - self.liveness_s
@@ -40,3 +47,11 @@ class WorkerRegistry:
         now = time.monotonic() if now is None else now
         live = self._live(now)
         return {b: sum(1 for s in live if b in s.bases) for b in bases}
+
+    def service_rate(self, base: str, now: float | None = None) -> float | None:
+        """Tasks per second the live workers of `base` complete together; None until one has measured it."""
+        now = time.monotonic() if now is None else now
+        horizon = now - self.liveness_s
+        rates = [s.rates[base] for s in self._workers.values()
+                 if s.seen >= horizon and not s.draining and base in s.bases and base in s.rates]
+        return sum(rates) if rates else None

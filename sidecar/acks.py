@@ -5,6 +5,9 @@ the gateway's inbox, whether the payload goes to the dead-letter stream, and how
 message is settled (ack / nak with delay / term). The row depends on the situation and on
 whether this delivery is the last one the consumer will make (num_delivered >= max_deliver).
 
+A task whose gateway is gone (no subscriber on its reply inbox for longer than a reconnect takes)
+is dropped before it is computed: its answer could only be thrown away.
+
 Adapter failures are split in two on purpose: an adapter that cannot exist for this worker
 (unknown URI scheme, missing directory, invalid adapter files) fails the same way on every
 delivery, so it is answered and dead-lettered at once; any other load error (out of memory,
@@ -16,11 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from lorafleet.wire import ERR_ADAPTER, ERR_DEADLINE, ERR_MALFORMED, ERR_RUNTIME
+from lorafleet.wire import ERR_ADAPTER, ERR_DEADLINE, ERR_INVALID, ERR_MALFORMED, ERR_RUNTIME
 
 
 class Situation(StrEnum):
-    OK = "ok"  # the vector was computed
+    OK = "ok"  # the vector (or text) was computed
     DEADLINE = "deadline"  # the task's deadline had passed before compute
     MALFORMED = "malformed"  # the body is not a Task (wire.MalformedTask)
     ADAPTER_UNAVAILABLE = "adapter_unavailable"  # permanent: the adapter cannot be resolved or is invalid
@@ -28,6 +31,10 @@ class Situation(StrEnum):
     RUNTIME_FAILED = "runtime_failed"  # the batch (and the task alone) raised during encode
     SHUTDOWN = "shutdown"  # drain timed out before the task was computed
     UNDELIVERED = "undelivered"  # computed, but no gateway confirmed the result (it was reconnecting)
+    OWNER_AWAY = "owner_away"  # nobody listens on the task's reply inbox just now: not computed, retried later
+    ORPHANED = "orphaned"  # the gateway that owns the task is gone (away past the grace): dropped uncomputed
+    CANCELLED = "cancelled"  # generation stopped because nobody wants the text any more (client gone)
+    INVALID = "invalid"  # the runtime refused the input or its parameters: the same on every delivery
 
 
 class Settle(StrEnum):
@@ -36,7 +43,7 @@ class Settle(StrEnum):
     TERM = "term"
 
 
-REPLY_RESULT = "result"  # marker: reply with the computed vector
+REPLY_RESULT = "result"  # marker: reply with the computed vector (or text)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +57,9 @@ class Action:
 _RESULT_ACK = Action(REPLY_RESULT, Settle.ACK)
 _DEADLINE_ACK = Action(ERR_DEADLINE, Settle.ACK)
 _RETRY = Action(None, Settle.NAK, nak_delay=True)
+
+_CANCELLED = Action(None, Settle.ACK)
+_INVALID = Action(ERR_INVALID, Settle.ACK)  # answered (400) and done: the request was the problem, not the fleet
 
 # (situation, is_last_delivery) → action
 ACK_TABLE: dict[tuple[Situation, bool], Action] = {
@@ -68,6 +78,17 @@ ACK_TABLE: dict[tuple[Situation, bool], Action] = {
     # The result did not reach a gateway: keep the task so a later delivery answers it.
     (Situation.UNDELIVERED, False): _RETRY,
     (Situation.UNDELIVERED, True): Action(ERR_RUNTIME, Settle.TERM, dead_letter=True),
+    # Nobody waits for the answer: computing it would be thrown away. Away may be a gateway reconnecting
+    # (retry later, without computing); gone (or still away at the last delivery) is dropped.
+    (Situation.OWNER_AWAY, False): _RETRY,
+    (Situation.OWNER_AWAY, True): Action(None, Settle.ACK),
+    (Situation.ORPHANED, False): Action(None, Settle.ACK),
+    (Situation.ORPHANED, True): Action(None, Settle.ACK),
+    # Its gateway said nobody waits (client disconnected, request gone): stop, answer nothing.
+    (Situation.CANCELLED, False): _CANCELLED,
+    (Situation.CANCELLED, True): _CANCELLED,
+    (Situation.INVALID, False): _INVALID,
+    (Situation.INVALID, True): _INVALID,
     # Draining worker gives the task back at once so another worker takes it without delay.
     (Situation.SHUTDOWN, False): Action(None, Settle.NAK),
     (Situation.SHUTDOWN, True): Action(ERR_RUNTIME, Settle.TERM, dead_letter=True),

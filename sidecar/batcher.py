@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lorafleet.config import ServingProfile
-from lorafleet.wire import Task
+from lorafleet.wire import EMBED, GenerateParams, Task
 
 ProfileFor = Callable[[str, str | None], ServingProfile]
 
@@ -23,6 +23,7 @@ class Pulled:
     task: Task
     msg: Any
     pulled_at: float = 0.0  # monotonic
+    params: GenerateParams | None = None  # a generate task's parameters, checked at intake
 
 
 @dataclass(slots=True)
@@ -32,6 +33,7 @@ class Batch:
     items: list[Pulled]
     profile: ServingProfile
     seq: int = field(default=0)
+    op: str = EMBED  # the capability every task of the batch asks for
 
     @property
     def cost(self) -> int:
@@ -73,12 +75,12 @@ def split_group(items: list[Pulled], profile: ServingProfile) -> list[list[Pulle
 
 
 def form_batches(items: Iterable[Pulled], profile_for: ProfileFor) -> list[Batch]:
-    """Group by (base, adapter) in order of first arrival, then split each group under its profile."""
-    groups: dict[tuple[str, str | None], list[Pulled]] = {}
+    """Group by (base, adapter, capability) in order of first arrival, then split each group under its profile."""
+    groups: dict[tuple[str, str | None, str], list[Pulled]] = {}
     for p in items:
-        groups.setdefault((p.task.base, p.task.adapter), []).append(p)
+        groups.setdefault((p.task.base, p.task.adapter, p.task.op), []).append(p)
     out: list[Batch] = []
-    for (base, adapter), group in groups.items():
+    for (base, adapter, op), group in groups.items():
         profile = profile_for(base, adapter)
-        out.extend(Batch(base, adapter, chunk, profile) for chunk in split_group(group, profile))
+        out.extend(Batch(base, adapter, chunk, profile, op=op) for chunk in split_group(group, profile))
     return out

@@ -1,11 +1,14 @@
 """The worker's NATS side: an asyncio loop in a background thread that owns the connection.
 
-It connects, sets up the streams and this worker's consumers, runs the pull scheduler
-(scheduler.py), hands batches to the main thread (which runs the model) through a queue bounded by
-the scheduler's slots, settles each task when the main thread posts the outcome back
-(settle.py), keeps held messages alive (in_progress), publishes heartbeats and watches the fleet
-state. Per-task work here is kept small: decode, reply, ack. The main thread talks to it only
-through the thread-safe methods at the top of `NatsSide`.
+It connects (with this worker's credential: `nats_client.ClientSettings`), waits for the work stream
+and keeps this worker's consumers in place (consumers.py: re-created when they vanish), runs the pull scheduler
+of the batch runtimes' bases (scheduler.py), hands batches to the main thread (which runs the model)
+through a queue bounded by the scheduler's slots, settles each task when the main thread posts the
+outcome back (settle.py), keeps held messages alive (in_progress), publishes heartbeats and watches the
+fleet state. Bases whose runtime is an engine get a lane of their own on this loop (engine_lane.py),
+which also starts and stops their engines: the engine processes are tied to this thread. Generated
+text is streamed back from here (streaming.py). Per-task work here is kept small: decode, reply, ack.
+The main thread talks to it only through the thread-safe methods at the top of `NatsSide`.
 """
 
 from __future__ import annotations
@@ -24,13 +27,22 @@ import nats
 
 from lorafleet.config import FleetConfig
 from lorafleet.fleet_state import FleetWatcher
-from lorafleet.queue import consumer_config, ensure_consumer, ensure_streams
+from lorafleet.nats_auth import explain_connect_error
+from lorafleet.queue import consumer_config
 from lorafleet.sidecar.acks import Situation
 from lorafleet.sidecar.batcher import Batch, ProfileFor
+from lorafleet.sidecar.consumers import ConsumerKeeper
+from lorafleet.sidecar.engine_adapters import EngineAdapters
+from lorafleet.sidecar.engine_lane import UriFor
+from lorafleet.sidecar.engines import EngineLanes
+from lorafleet.sidecar.intake import Intake
+from lorafleet.sidecar.owners import OwnerTracker
 from lorafleet.sidecar.pull import IDLE_POLL_S
+from lorafleet.sidecar.runtime import EngineRuntime
 from lorafleet.sidecar.scheduler import PullScheduler
-from lorafleet.sidecar.settle import HeldTable, Outcome, Settler
-from lorafleet.wire import Heartbeat, consumer_name, heartbeat_subject
+from lorafleet.sidecar.settle import HeldTable, Outcome, Settler, num_delivered
+from lorafleet.sidecar.streaming import TextStreams
+from lorafleet.wire import GENERATE, Heartbeat, consumer_name, heartbeat_subject
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +53,10 @@ class NatsSide:
     """Owns the NATS connection and everything async; the main thread talks to it via thread-safe calls."""
 
     def __init__(self, fleet: FleetConfig, nats_url: str, worker_id: str, bases: list[str],
-                 profile_for: ProfileFor) -> None:
+                 profile_for: ProfileFor, client_options: dict[str, Any] | None = None) -> None:
         self.fleet = fleet
         self.nats_url = nats_url
+        self.client_options = client_options or {}  # credential, private inbox, TLS (never a secret)
         self.worker_id = worker_id
         self.bases = bases
         self.profile_for = profile_for
@@ -59,11 +72,17 @@ class NatsSide:
         self.batches_done = 0
         self.on_fleet_state: Callable[[dict[str, Any]], None] | None = None  # set by the worker
         self._stopping = False
+        self._last_error: BaseException | None = None
+        self._last_error_logged = 0.0
         self._pull_task: asyncio.Task[None] | None = None
         self._scheduler: PullScheduler | None = None
         self._settler: Settler | None = None
         self._psubs: dict[str, Any] = {}
+        self._keeper: ConsumerKeeper | None = None
+        self.owners: OwnerTracker | None = None
         self._fleet_watch: FleetWatcher | None = None
+        self.engines = EngineLanes()
+        self.streams: TextStreams | None = None
         ack_wait = consumer_config(bases[0], fleet.queue).ack_wait or fleet.queue.ack_wait_s
         self._progress_every = max(ack_wait / 3.0, 0.05)  # well below ack_wait, so nothing is redelivered
 
@@ -91,9 +110,23 @@ class NatsSide:
             return False
         return True
 
-    def start_serving(self, dims: dict[str, int]) -> None:
+    def start_serving(self, dims: dict[str, int],
+                      engines: dict[str, tuple[EngineRuntime, EngineAdapters]] | None = None,
+                      uri_for: UriFor | None = None) -> None:
+        """Serve: `dims` of the embedding bases; `engines` (base → engine runtime and its adapter cache) are
+        started on the loop, each with a lane of its own; `uri_for(adapter, task uri)` finds adapters."""
         self.dims.update(dims)
+        self.engines = EngineLanes(engines, uri_for)
         self._post(self._models_ready.set)
+
+    def text_out(self, task_id: str) -> Any:
+        """The stream of a generating task of a batch in the main thread's hands (its TextOut), or None."""
+        streams = self.streams
+        return streams.get(task_id) if streams is not None else None
+
+    def post(self, fn: Callable[..., Any], *args: Any) -> bool:
+        """Run `fn(*args)` on the loop soon (from the main thread)."""
+        return self._post(fn, *args)
 
     def request_stop(self) -> None:
         self.stop_requested = True  # seen by _main even if the loop does not exist yet
@@ -131,10 +164,21 @@ class NatsSide:
             self._begin_stop()
         self.nc = await self._connect()
         self.js = self.nc.jetstream()
-        await ensure_streams(self.js, self.fleet.queue)
-        for base in self.bases:
-            await ensure_consumer(self.js, base, self.fleet.queue)
-        self._settler = Settler(self.nc, self.js, self.fleet.queue, self.worker_id, self.held, self.dims)
+        self._keeper = ConsumerKeeper(self.js, self.fleet.queue, self.bases)
+        setup = asyncio.ensure_future(self._keeper.setup())  # waits for the stream: a gateway creates it
+        stop = asyncio.ensure_future(self._stop.wait())
+        await asyncio.wait([setup, stop], return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if not setup.done():
+            setup.cancel()
+            await asyncio.gather(setup, return_exceptions=True)
+            await self.nc.drain()
+            return
+        setup.result()
+        self.owners = OwnerTracker(self.nc.request, self.fleet.worker.orphan_grace_s)
+        self._settler = Settler(self.nc, self.js, self.fleet.queue, self.worker_id, self.held, self.dims,
+                                owners=self.owners)
+        self.streams = TextStreams(self.nc, self.worker_id)
         log.info("connected to %s; consumers ready for %s", self.nats_url, ", ".join(self.bases))
         if self.on_fleet_state is not None:  # promoted bundles: URIs and profiles per adapter id
             try:
@@ -154,17 +198,25 @@ class NatsSide:
                 self._psubs[base] = await self.js.pull_subscribe_bind(
                     durable=consumer_name(base), stream=self.fleet.queue.stream
                 )
-            self._scheduler = PullScheduler(self.fleet, self._psubs, self.held, self._settler, self.ready.put_nowait,
-                                            self.profile_for, self._slots, lambda: self._stopping)
+            batch_psubs = {b: p for b, p in self._psubs.items() if b not in self.engines}
+            if batch_psubs:
+                self._scheduler = PullScheduler(self.fleet, batch_psubs, self.held, self._settler, self._handoff,
+                                                self.profile_for, self._slots, lambda: self._stopping,
+                                                owners=self.owners, on_pull_error=self._keeper.pull_failed)
+            self.engines.start(self._psubs, Intake(self.held, self._settler, self.owners), self._settler,
+                               self.streams, lambda: self._stopping, self._keeper.pull_failed, self._fatal)
             await self._publish_heartbeat(0.0)  # the launcher waits for this one to call the worker ready
             log.info("serving %s", ", ".join(self.bases))
-            background = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._progress_loop())]
-            self._pull_task = asyncio.create_task(self._scheduler.run())
+            background = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._progress_loop()),
+                          asyncio.create_task(self._keeper.run()), asyncio.create_task(self.streams.watch())]
+            if self._scheduler is not None:
+                self._pull_task = asyncio.create_task(self._scheduler.run())
             await self._stop.wait()
             await self._drain()
         for t in background:
             t.cancel()
         await asyncio.gather(*background, return_exceptions=True)
+        await self.engines.close()
         if served:
             await self._publish_heartbeat(0.0)  # last word: draining=True, in_flight 0
         if self._fleet_watch is not None:
@@ -181,6 +233,7 @@ class NatsSide:
         connect = asyncio.ensure_future(nats.connect(
             self.nats_url, name=f"lorafleet-worker-{self.worker_id}", max_reconnect_attempts=-1,
             error_cb=self._on_error, disconnected_cb=self._on_disconnect, reconnected_cb=self._on_reconnect,
+            **self.client_options,
         ))
         stop = asyncio.ensure_future(self._stop.wait())
         done, _ = await asyncio.wait([connect, stop], timeout=CONNECT_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
@@ -189,11 +242,19 @@ class NatsSide:
             return connect.result()
         connect.cancel()
         await asyncio.gather(connect, return_exceptions=True)
-        why = "stop requested" if stop in done else f"no answer within {CONNECT_TIMEOUT_S:.0f}s"
-        raise ConnectionError(f"cannot connect to NATS at {self.nats_url} ({why}); is nats-server running there?")
+        if stop in done:
+            raise ConnectionError(f"cannot connect to NATS at {self.nats_url} (stop requested)")
+        why = explain_connect_error(self._last_error, self.nats_url) if self._last_error else (
+            f"no answer within {CONNECT_TIMEOUT_S:.0f}s; is nats-server running there?")
+        raise ConnectionError(why)
 
     async def _on_error(self, exc: Exception) -> None:
-        log.warning("NATS error: %s", exc)
+        self._last_error = exc
+        now = time.monotonic()
+        if now - self._last_error_logged >= 10.0:  # a refused reconnect repeats every few ms: one line per 10 s
+            self._last_error_logged = now
+            log.warning("NATS error: %s", explain_connect_error(exc, self.nats_url) if not self.connected.is_set()
+                        else exc)
 
     async def _on_disconnect(self) -> None:
         # drain() at shutdown disconnects on purpose; only an unplanned loss is worth a warning.
@@ -213,15 +274,18 @@ class NatsSide:
         self._stop.set()
 
     async def _drain(self) -> None:
-        assert self._scheduler is not None and self._settler is not None
-        if self._pull_task is not None:
-            await asyncio.wait([self._pull_task], timeout=IDLE_POLL_S + 2.0)
-        await self._scheduler.give_back_waiting()
+        assert self._settler is not None
+        pulls = [t for t in [self._pull_task, *self.engines.pulling()] if t is not None and not t.done()]
+        if pulls:
+            await asyncio.wait(pulls, timeout=IDLE_POLL_S + 2.0)
+        if self._scheduler is not None:
+            await self._scheduler.give_back_waiting()
         timeout = self.fleet.worker.drain_timeout_s
         if await self.held.wait_empty(timeout):
             log.info("drained: all in-flight tasks answered")
             return
         log.warning("drain timed out after %.1fs; giving back %d task(s)", timeout, len(self.held))
+        await self.engines.cancel_sequences()
         while True:
             try:
                 self.ready.get_nowait()
@@ -234,11 +298,36 @@ class NatsSide:
     async def _complete(self, batch: Batch, outcomes: Sequence[Outcome], started: float,
                         encoded: tuple[int, float] | None) -> None:
         self._slots.release()
-        if encoded is not None and self._scheduler is not None and batch.base in self._scheduler.batch_times:
-            self._scheduler.batch_times[batch.base].observe(*encoded)
+        scheduler = self._scheduler
+        if encoded is not None and scheduler is not None and batch.base in scheduler.batch_times:
+            scheduler.batch_times[batch.base].observe(*encoded)
         assert self._settler is not None
-        await self._settler.complete(batch, outcomes, started)
+        if batch.op == GENERATE and self.streams is not None:
+            for item, outcome in zip(batch.items, outcomes, strict=True):
+                out = self.streams.get(item.task.id)
+                if out is not None:
+                    chunks = await out.flushed()  # every chunk before the final result
+                    if outcome.text is not None:
+                        outcome.text.chunks = chunks
+                    self.streams.close(out)
+        try:
+            await self._settler.complete(batch, outcomes, started)
+        finally:
+            if scheduler is not None and batch.base in scheduler.service_rates:
+                scheduler.service_rates[batch.base].end(sum(o.situation is Situation.OK for o in outcomes))
         self.batches_done += 1
+
+    def _handoff(self, batch: Batch) -> None:
+        """A batch goes to the main thread; a generate batch's tasks get their streams first."""
+        if batch.op == GENERATE and self.streams is not None:
+            for item in batch.items:
+                self.streams.open(item.task, num_delivered(item.msg), bool(item.params and item.params.stream))
+        self.ready.put_nowait(batch)
+
+    def _fatal(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+        self._begin_stop()
 
     # ---- keep-alives --------------------------------------------------------------------------
     async def _progress_loop(self) -> None:
@@ -265,10 +354,25 @@ class NatsSide:
             await self._publish_heartbeat(rate)
 
     async def _publish_heartbeat(self, batches_per_s: float) -> None:
+        # Only the bases this worker can pull for right now (their consumer exists): a gateway counts a
+        # base as served, and itself as ready, by these.
+        # An engine's base only once its engine serves.
+        bases = self._keeper.healthy_bases() if self._keeper is not None else list(self.bases)
+        bases = [b for b in bases if self.engines.serves(b)]
+        rates: dict[str, float] = {}
+        service = dict(self._scheduler.service_rates) if self._scheduler is not None else {}
+        service.update(self.engines.service_rates())
+        for base, rate in service.items():
+            value = rate.per_s()
+            if value is not None:
+                rates[base] = round(value, 2)
+        engine_adapters, used, slots, kv = await self.engines.report()
+        adapters = {**self.adapters_snapshot, **engine_adapters}
         hb = Heartbeat(
-            worker=self.worker_id, bases=list(self.bases), adapters=dict(self.adapters_snapshot),
+            worker=self.worker_id, bases=bases, adapters=adapters,
             in_flight=len(self.held), batches_per_s=round(batches_per_s, 3), tasks_done=self.tasks_done,
-            pid=os.getpid(), host=socket.gethostname(), draining=self._stopping,
+            pid=os.getpid(), host=socket.gethostname(), draining=self._stopping, service_rates=rates,
+            slots_used=used, slots=slots, kv_cache=kv,
         )
         try:
             await self.nc.publish(heartbeat_subject(self.worker_id), hb.to_wire())

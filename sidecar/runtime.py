@@ -3,23 +3,36 @@
 A runtime holds one base model and the LoRA adapters loaded onto it. It declares what it can do
 (`capabilities`: `embed`, `generate`); the worker only calls the methods of a declared capability,
 so nothing probes with hasattr. Runtimes are plugins: each registers a class under the entry-point
-group `lorafleet.runtimes` (the built-in sentence-transformers runtime does too), and
-`BaseModelSpec.runtime` names one. A broken, unknown or duplicate plugin stops the worker.
+group `lorafleet.runtimes` (the built-ins do too), and `BaseModelSpec.runtime` names one. A broken,
+unknown or duplicate plugin stops the worker.
 
-Contract:
-- Thread: every method is called from the worker process's main thread (torch runs fastest there;
-  the NATS event loop lives in a background thread and never calls a runtime).
+Two ways to run, chosen by the base class a plugin subclasses (the pull loop never asks for a name):
+
+- `Runtime`: in-process, batched by the worker. Every method is called from the worker process's
+  main thread (torch runs fastest there; the NATS event loop lives in a background thread and never
+  calls it). The worker pulls when the main thread is free and hands it whole batches of one
+  (base, adapter): `encode` (embed) or `generate` (generate; text deltas go out through a `TokenSink`).
+  Built-ins: `sentence-transformers`, `transformers` (generate, the light fallback), `synthetic`.
+- `EngineRuntime`: an engine that batches continuously by itself (vLLM). Every method is a coroutine
+  on the worker's event loop, one sequence per `stream` call; the worker keeps up to `slots`
+  sequences in flight and pulls more as sequences finish (pull when free, counted in sequences).
+  Built-in: `vllm`.
+
+Contract (both):
 - Process: a runtime may start helper processes (an engine in its own venv); `close` must stop
-  them. Heavy imports happen in `__init__`, never at module import, so finding a plugin is cheap.
-- Calls, in order: `__init__(spec, device)` once; then any number of `load_adapter` /
-  `unload_adapter` / capability calls; `close` once. `load_adapter` raises
+  them. Heavy imports happen in `__init__` (or `start`), never at module import, so finding a plugin
+  is cheap.
+- Calls, in order: `__init__(spec, device)` once (an engine's `start()` next); then any number of
+  `load_adapter` / `unload_adapter` / capability calls; `close` once. `load_adapter` raises
   `lorafleet.adapters.AdapterUnavailable` for an adapter that can never fit this base.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
 
 import numpy as np
 
@@ -27,9 +40,53 @@ from lorafleet import plugins
 from lorafleet.adapters import AdapterUnavailable
 from lorafleet.config import BaseModelSpec
 from lorafleet.device import resolve_device
-from lorafleet.wire import CAPABILITIES, EMBED
+from lorafleet.wire import CAPABILITIES, EMBED, GenerateParams
 
-__all__ = ["AdapterUnavailable", "Runtime", "create_runtime", "runtime_class"]
+__all__ = ["ABORTED", "AdapterUnavailable", "EngineDown", "EngineRuntime", "EngineStats", "GenerateInput", "Generated",
+           "RequestRefused", "Runtime", "TokenSink", "create_runtime", "runtime_class"]
+
+# Finish reasons besides the engine's own ("stop", "length").
+ABORTED = "abort"  # the sink said stop (cancelled, or past the deadline)
+
+
+class RequestRefused(ValueError):
+    """The runtime refuses this input or its parameters (a prompt over the context, …): answered, never retried."""
+
+
+class EngineDown(RuntimeError):
+    """An engine runtime's engine is gone (its process died): the worker restarts it, and retries the task."""
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateInput:
+    """One sequence to generate: the prompt text (already rendered from the chat template when
+    `params.chat`) and its sampling parameters."""
+
+    prompt: str
+    params: GenerateParams
+    request_id: str = ""  # for the engine's log (the task id)
+
+
+@dataclass(frozen=True, slots=True)
+class Generated:
+    """A finished sequence: the whole text (stop string and end-of-sequence token excluded), usage, and
+    why it ended: "stop", "length" or `ABORTED`."""
+
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str
+
+
+class TokenSink(Protocol):
+    """Where a batch runtime's `generate` sends text as it is produced (from the main thread)."""
+
+    def delta(self, i: int, text: str) -> None:
+        """More text of input `i` (only inputs whose parameters ask to stream need it)."""
+
+    def stopped(self, i: int) -> bool:
+        """Whether input `i` should stop now (its client went away, or its deadline passed): end it
+        with the finish reason `ABORTED`."""
 
 
 class Runtime(ABC):
@@ -47,6 +104,13 @@ class Runtime(ABC):
         """float32 array (len(texts), dim); adapter_id None means the bare base model (embed)."""
         raise NotImplementedError(f"{type(self).__name__} does not embed")
 
+    # -- generate --------------------------------------------------------------------------------------
+    def generate(self, inputs: list[GenerateInput], adapter_id: str | None, sink: TokenSink) -> list[Generated]:
+        """One `Generated` per input, in order (generate). Text goes to `sink.delta` as it is produced;
+        an input whose `sink.stopped(i)` turns true ends with `ABORTED`. `RequestRefused` for inputs
+        this model cannot take."""
+        raise NotImplementedError(f"{type(self).__name__} does not generate")
+
     # -- adapters --------------------------------------------------------------------------------------
     @abstractmethod
     def load_adapter(self, adapter_id: str, path: str) -> None:
@@ -62,11 +126,68 @@ class Runtime(ABC):
         """Free the model (and stop helper processes); the default does nothing."""
 
 
-def runtime_class(name: str) -> type[Runtime]:
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    running: int = 0  # sequences the engine is decoding
+    waiting: int = 0  # sequences queued inside the engine
+    kv_cache_usage: float = 0.0  # 0..1
+
+
+class EngineRuntime(ABC):
+    """An engine that batches continuously by itself, driven on the worker's event loop (generate).
+
+    Every method is a coroutine (or cheap) and runs on the worker's event loop, in the thread that
+    owns it for the worker's whole life (an engine process may be tied to the thread that started it).
+    """
+
+    capabilities: ClassVar[frozenset[str]] = frozenset()
+
+    @abstractmethod
+    async def start(self) -> None:
+        """Start the engine and return once it serves; raise with its log when it cannot."""
+
+    @property
+    @abstractmethod
+    def slots(self) -> int:
+        """How many sequences the worker keeps in flight on this engine (its slot target)."""
+
+    @abstractmethod
+    def stream(self, item: GenerateInput, adapter_id: str | None) -> AsyncIterator[str | Generated]:
+        """Text deltas in order, then one `Generated`. Closing the iterator (or cancelling the task that
+        drives it) aborts the sequence in the engine. `RequestRefused` for an input the engine refuses,
+        `EngineDown` when the engine died (the worker calls `restart`); any other exception is transient
+        (the task is retried)."""
+
+    @abstractmethod
+    async def load_adapter(self, adapter_id: str, path: str) -> None: ...
+
+    @abstractmethod
+    async def unload_adapter(self, adapter_id: str) -> None: ...
+
+    @abstractmethod
+    def loaded_adapters(self) -> list[str]: ...
+
+    async def stats(self) -> EngineStats:
+        """What the engine reports (heartbeats carry the KV-cache use); the default knows nothing."""
+        return EngineStats()
+
+    async def restart(self) -> None:
+        """Start the engine again after it died (adapters are loaded again on demand); default: start()."""
+        await self.start()
+
+    async def close(self) -> None:  # noqa: B027 - an optional hook with a no-op default, as the contract says
+        """Stop the engine and everything it started."""
+
+
+AnyRuntime = Runtime | EngineRuntime
+
+
+def runtime_class(name: str) -> type[Runtime] | type[EngineRuntime]:
     """The runtime class registered as `name`; PluginError for unknown, broken or malformed plugins."""
     cls = plugins.load(plugins.RUNTIMES, name)
-    if not (isinstance(cls, type) and issubclass(cls, Runtime)):
-        raise plugins.PluginError(f"runtime plugin {name!r} is {cls!r}, not a subclass of lorafleet's Runtime")
+    if not (isinstance(cls, type) and issubclass(cls, Runtime | EngineRuntime)):
+        raise plugins.PluginError(f"runtime plugin {name!r} is {cls!r}, not a subclass of lorafleet's Runtime "
+                                  "or EngineRuntime")
     unknown = set(cls.capabilities) - set(CAPABILITIES)
     if not cls.capabilities or unknown:
         raise plugins.PluginError(f"runtime plugin {name!r} declares capabilities {sorted(cls.capabilities)}; "
@@ -74,12 +195,13 @@ def runtime_class(name: str) -> type[Runtime]:
     return cls
 
 
-def create_runtime(spec: BaseModelSpec, device: str = "auto") -> Runtime:
-    """The runtime `spec.runtime` names, loaded with `spec`'s base model on `device`."""
-    return runtime_class(spec.runtime)(spec, device=resolve_device(device))
+def create_runtime(spec: BaseModelSpec, device: str = "auto") -> AnyRuntime:
+    """The runtime `spec.runtime` names, loaded with `spec`'s base model on `device` (an engine: configured,
+    not started)."""
+    return runtime_class(spec.runtime)(spec, device=resolve_device(device))  # type: ignore[call-arg]
 
 
-def needs(runtime: Runtime, capability: str = EMBED) -> None:
+def needs(runtime: AnyRuntime, capability: str = EMBED) -> None:
     """Fail loudly when a runtime is asked for a capability it does not declare."""
     if capability not in runtime.capabilities:
         raise TypeError(f"{type(runtime).__name__} cannot {capability} (capabilities: "

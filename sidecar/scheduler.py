@@ -7,6 +7,10 @@ from the base whose head task is oldest, so a worker never holds full batches of
 once (tasks that an idle peer could serve). A head that lands while the worker is busy waits, held
 and kept alive, for the next free slot. A slot is one batch queued or computing here; it frees
 when the main thread posts the batch's outcome back.
+
+Before a task is computed, `admit` (intake.py) drops what nobody waits for: malformed and expired
+tasks, and tasks whose gateway is gone. These are the bases of in-process (batch) runtimes; an
+engine runtime's base has a lane of its own (engine_lane.py).
 """
 
 from __future__ import annotations
@@ -20,9 +24,11 @@ from typing import Any
 from lorafleet.config import FleetConfig
 from lorafleet.sidecar.acks import Situation
 from lorafleet.sidecar.batcher import Batch, ProfileFor, Pulled, form_batches
+from lorafleet.sidecar.intake import Intake
+from lorafleet.sidecar.owners import OwnerTracker
 from lorafleet.sidecar.pull import IDLE_POLL_S, ArrivalRate, BatchTime, fill, wait_first
+from lorafleet.sidecar.service_rate import ServiceRate
 from lorafleet.sidecar.settle import HeldTable, Settler
-from lorafleet.wire import MalformedTask, Task
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +52,8 @@ class PullScheduler:
 
     def __init__(self, fleet: FleetConfig, psubs: dict[str, Any], held: HeldTable, settler: Settler,
                  handoff: Callable[[Batch], None], profile_for: ProfileFor, slots: asyncio.Semaphore,
-                 stopping: Callable[[], bool]) -> None:
+                 stopping: Callable[[], bool], *, owners: OwnerTracker | None = None,
+                 on_pull_error: Callable[[str, BaseException], None] | None = None) -> None:
         self.fleet = fleet
         self.bases = list(psubs)
         self.psubs = psubs
@@ -58,6 +65,10 @@ class PullScheduler:
         self.stopping = stopping
         self.phase = ""  # "slot" while waiting for a free slot (holding nothing), then "fetch", "hold"
         self.batch_times = {b: BatchTime() for b in self.bases}  # measured compute time, for max_batch_ms
+        self.service_rates = {b: ServiceRate() for b in self.bases}  # tasks per busy second, for heartbeats
+        self.owners = owners
+        self.intake = Intake(held, settler, owners)
+        self.on_pull_error = on_pull_error or (lambda base, exc: log.warning("pull on %s failed: %s", base, exc))
         self._arrivals = ArrivalRate()
         self._waiters: dict[str, asyncio.Task[Any]] = {}  # base → its open fetch(1), kept across cycles
         self._heads: dict[str, Any] = {}  # base → a message its waiter brought that no batch has taken yet
@@ -86,7 +97,7 @@ class PullScheduler:
             try:
                 msgs = await fill(self.psubs[base], [first], cap, wait_ms)
             except Exception as exc:  # the first message is held: it still gets batched below
-                log.warning("pull on %s failed: %s", base, exc)
+                self.on_pull_error(base, exc)
                 msgs = [first]
             self._arrivals.observe(len(msgs), now)
             pulled = await self.admit(base, msgs)
@@ -100,6 +111,7 @@ class PullScheduler:
                     await self.slots.acquire()
                 self._seq += 1
                 batch.seq = self._seq
+                self.service_rates[batch.base].begin()  # ends when the batch is settled (connection._complete)
                 self.handoff(batch)
 
     async def _next_head(self) -> tuple[str, Any] | None:
@@ -123,8 +135,8 @@ class PullScheduler:
     async def _wait_one(self, base: str) -> Any | None:
         try:
             msg = await wait_first(self.psubs[base])
-        except Exception as exc:  # reconnecting, or the consumer is being recreated
-            log.warning("pull on %s failed: %s", base, exc)
+        except Exception as exc:  # reconnecting, or the consumer is missing (the keeper re-creates it)
+            self.on_pull_error(base, exc)
             await asyncio.sleep(0.5)
             return None
         if msg is not None:
@@ -148,24 +160,5 @@ class PullScheduler:
                                         for base, msg in left])
 
     async def admit(self, base: str, msgs: list[Any]) -> list[Pulled]:
-        """Decode and hold each message; malformed and already-expired tasks are settled right here."""
-        now = time.time()
-        mono = time.monotonic()
-        out: list[Pulled] = []
-        refused: list[tuple[Any, str, Situation, Task | None, str, bytes | None, float]] = []
-        for msg in msgs:
-            self.held.add(msg)
-            try:
-                task = Task.from_wire(msg.data)
-                if task.base != base:
-                    raise MalformedTask(f"task names base {task.base!r} but came on {base!r}'s subject")
-            except MalformedTask as exc:
-                refused.append((msg, base, Situation.MALFORMED, None, str(exc), None, now))
-                continue
-            if task.deadline <= now:
-                refused.append((msg, base, Situation.DEADLINE, task, "deadline passed in the queue", None, now))
-                continue
-            out.append(Pulled(task, msg, mono))
-        if refused:
-            await self.settler.settle_many(refused)
-        return out
+        """Decode and hold each message; malformed, expired and orphaned tasks are settled here (intake.py)."""
+        return await self.intake.admit(base, msgs)

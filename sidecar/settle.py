@@ -22,9 +22,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from nats.errors import NoRespondersError
+
 from lorafleet.config import QueueConfig
 from lorafleet.sidecar.acks import REPLY_RESULT, Action, Settle, Situation, decide, is_last_delivery
 from lorafleet.sidecar.batcher import Batch
+from lorafleet.sidecar.runtime import Generated
 from lorafleet.wire import (
     HDR_DLQ_DELIVERIES,
     HDR_DLQ_REASON,
@@ -39,6 +42,21 @@ from lorafleet.wire import (
 log = logging.getLogger(__name__)
 
 RESULT_RECEIPT_TIMEOUT_S = 2.0  # a gateway confirms a result within ms; longer means it is gone
+# Situations that are routine under load or after a gateway died: not worth a warning per task.
+_LOG_LEVEL = {Situation.DEADLINE: logging.INFO, Situation.UNDELIVERED: logging.INFO,
+              Situation.OWNER_AWAY: logging.DEBUG, Situation.ORPHANED: logging.DEBUG, Situation.CANCELLED: logging.INFO,
+              Situation.INVALID: logging.INFO}
+
+
+@dataclass(slots=True)
+class Text:
+    """A generated text to answer with, and how many chunks of it were streamed before."""
+
+    generated: Generated
+    chunks: int = 0
+
+
+Payload = bytes | Text  # an embedding (float32 bytes) or a generated text
 
 
 @dataclass(slots=True)
@@ -48,6 +66,11 @@ class Outcome:
     situation: Situation
     vector: bytes | None = None
     message: str = ""
+    text: Text | None = None
+
+    @property
+    def payload(self) -> Payload | None:
+        return self.vector if self.vector is not None else self.text
 
 
 class Held:
@@ -127,25 +150,26 @@ class Settler:
     """Replies and settles tasks for one worker connection."""
 
     def __init__(self, nc: Any, js: Any, queue: QueueConfig, worker_id: str, held: HeldTable,
-                 dims: dict[str, int]) -> None:
+                 dims: dict[str, int], owners: Any = None) -> None:
         self.nc, self.js, self.queue, self.worker_id = nc, js, queue, worker_id
         self.held = held
         self.dims = dims
+        self.owners = owners  # owners.OwnerTracker: learns from each reply whether its gateway listens
         self.tasks_done = 0
 
     async def complete(self, batch: Batch, outcomes: Sequence[Outcome], started: float) -> None:
         """Answer and settle every task of a computed batch: replies go out together, then each is settled."""
         n = len(batch.items)
         await self.settle_many([
-            (item.msg, batch.base, out.situation, item.task, out.message, out.vector, started)
+            (item.msg, batch.base, out.situation, item.task, out.message, out.payload, started)
             for item, out in zip(batch.items, outcomes, strict=True)
         ], batch_size=n)
 
-    async def settle_many(self, items: Sequence[tuple[Any, str, Situation, Task | None, str, bytes | None, float]],
+    async def settle_many(self, items: Sequence[tuple[Any, str, Situation, Task | None, str, Payload | None, float]],
                           batch_size: int = 0) -> None:
         """Settle several tasks, their replies delivered concurrently (one slow gateway does not serialise them).
 
-        Each item: (msg, base, situation, task or None, reason, vector or None, compute start time).
+        Each item: (msg, base, situation, task or None, reason, vector or Text or None, compute start time).
         """
         plans = [self._plan(*item, batch_size=batch_size) for item in items]
         delivered = await asyncio.gather(*(self._deliver(reply, body) if body is not None else _true()
@@ -154,12 +178,14 @@ class Settler:
             await self._finish(msg, base, situation, item[3], item[4], done)
 
     async def settle(self, msg: Any, base: str, situation: Situation, *, task: Task | None = None,
-                     reason: str = "", vector: bytes | None = None) -> None:
-        await self.settle_many([(msg, base, situation, task, reason, vector, time.time())])
+                     reason: str = "", vector: Payload | None = None, started: float | None = None,
+                     batch_size: int = 0) -> None:
+        await self.settle_many([(msg, base, situation, task, reason, vector,
+                                 time.time() if started is None else started)], batch_size=batch_size)
 
     # -- steps -------------------------------------------------------------------------------------
     def _plan(self, msg: Any, base: str, situation: Situation, task: Task | None, reason: str,
-              vector: bytes | None, started: float, batch_size: int = 0
+              payload: Payload | None, started: float, batch_size: int = 0
               ) -> tuple[Any, str, Situation, str | None, bytes | None]:
         """(msg, base, situation, reply inbox, reply body): what to send before settling."""
         action = decide(situation, num_delivered(msg), self.queue.max_deliver)
@@ -171,8 +197,15 @@ class Settler:
         reply, task_id, index = target
         if action.reply == REPLY_RESULT:
             queue_ms = max(started - task.enqueued, 0.0) * 1000.0 if task else 0.0
-            result = Result(task_id, index, self.worker_id, vector=vector, dim=self.dims.get(base, 0),
-                            queue_ms=queue_ms, batch_size=batch_size)
+            if isinstance(payload, Text):
+                g = payload.generated
+                result = Result(task_id, index, self.worker_id, text=g.text, prompt_tokens=g.prompt_tokens,
+                                completion_tokens=g.completion_tokens, finish_reason=g.finish_reason,
+                                queue_ms=queue_ms, batch_size=batch_size, seq=payload.chunks,
+                                attempt=num_delivered(msg))
+            else:
+                result = Result(task_id, index, self.worker_id, vector=payload, dim=self.dims.get(base, 0),
+                                queue_ms=queue_ms, batch_size=batch_size)
         else:
             result = Result(task_id, index, self.worker_id, error_code=action.reply,
                             error_message=reason or situation.value, batch_size=batch_size)
@@ -182,10 +215,17 @@ class Settler:
         assert reply is not None and body is not None
         try:
             await self.nc.request(reply, body, timeout=RESULT_RECEIPT_TIMEOUT_S)
-            return True
-        except Exception as exc:  # NoRespondersError, TimeoutError, connection errors
+        except NoRespondersError:  # nobody subscribes to the inbox: its gateway is reconnecting, or gone
+            if self.owners is not None:
+                self.owners.heard(reply, False)
+            log.debug("reply to %s not confirmed: no gateway listens there", reply)
+            return False
+        except Exception as exc:  # TimeoutError, connection errors
             log.info("reply to %s not confirmed (%s)", reply, type(exc).__name__)
             return False
+        if self.owners is not None:
+            self.owners.heard(reply, True)
+        return True
 
     async def _finish(self, msg: Any, base: str, situation: Situation, task: Task | None, reason: str,
                       delivered: bool) -> None:
@@ -207,7 +247,7 @@ class Settler:
             if settle is not Settle.NAK:
                 self.tasks_done += 1
             if situation is not Situation.OK:
-                log.log(logging.INFO if situation is Situation.DEADLINE else logging.WARNING,
+                log.log(_LOG_LEVEL.get(situation, logging.WARNING),
                         "task %s: %s → %s%s (delivery %d/%d)%s", task.id if task else "?", situation.value,
                         settle.value, " + dead-letter" if action.dead_letter else "", deliveries,
                         self.queue.max_deliver, f": {reason}" if reason else "")

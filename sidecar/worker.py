@@ -1,9 +1,10 @@
 """The worker process: torch inference in the main thread, NATS in a background asyncio thread.
 
-MEASURED.md: torch called from a non-main thread ran 15–30 % slower here, so the model runs where
-it gets the cores (the main thread) and the event loop only moves bytes. The loop pre-pulls up to
-`batches_in_flight` batches beyond the one the main thread computes (pipelining); outcomes go
-back with `call_soon_threadsafe`.
+MEASURED.md: torch called from a non-main thread ran 15–30 % slower here, so a batch runtime runs
+where it gets the cores (the main thread) and the event loop only moves bytes. The loop pre-pulls up
+to `batches_in_flight` batches beyond the one the main thread computes (pipelining); outcomes go
+back with `call_soon_threadsafe`. Engine runtimes (their own process, their own batching) are
+driven by the loop instead (engine_lane.py); the main thread only creates them.
 """
 
 from __future__ import annotations
@@ -20,15 +21,18 @@ from typing import Any
 
 import numpy as np
 
-from lorafleet.adapters import AdapterUnavailable
+from lorafleet.adapters import AdapterPolicy, AdapterUnavailable, local_path_of
 from lorafleet.config import ConfigError, FleetConfig, ServingProfile
 from lorafleet.fleet_state import by_adapter_id
 from lorafleet.sidecar.acks import Situation
 from lorafleet.sidecar.adapters import AdapterCache
 from lorafleet.sidecar.batcher import Batch
 from lorafleet.sidecar.connection import NatsSide
-from lorafleet.sidecar.runtime import Runtime, create_runtime, needs
+from lorafleet.sidecar.engine_adapters import EngineAdapters
+from lorafleet.sidecar.generation import generate_batch
+from lorafleet.sidecar.runtime import EngineRuntime, Runtime, create_runtime
 from lorafleet.sidecar.settle import Outcome
+from lorafleet.wire import GENERATE
 
 log = logging.getLogger(__name__)
 
@@ -68,19 +72,30 @@ class FleetLookup:
         return served.profile if served is not None and served.profile is not None else self.default
 
     def uri_for(self, adapter: str, task_uri: str | None) -> str | None:
-        if task_uri:
-            return task_uri
+        """Where to load `adapter` from: what this worker's own fleet file or fleet state says, else the task's
+        URI (checked against the allow-list, `adapter_policy`, like every URI)."""
         served = self.served.get(adapter)
-        return served.adapter if served is not None else None
+        if served is not None:
+            return served.adapter
+        return task_uri or None
+
+
+def adapter_policy(fleet: FleetConfig) -> AdapterPolicy:
+    """The allow-list of adapter sources: registry references, `worker.adapter_roots`, and the local adapter
+    folders this fleet file names itself (the operator wrote them there)."""
+    own = [path for m in fleet.models if (path := local_path_of(m.adapter)) is not None]
+    return AdapterPolicy([*fleet.worker.adapter_roots, *own])
 
 
 class Computer:
-    """Runs batches on the runtimes; main thread only."""
+    """Runs batches on the (batch) runtimes; main thread only."""
 
-    def __init__(self, runtimes: dict[str, Runtime], caches: dict[str, AdapterCache], lookup: FleetLookup) -> None:
+    def __init__(self, runtimes: dict[str, Runtime], caches: dict[str, AdapterCache], lookup: FleetLookup,
+                 side: NatsSide | None = None) -> None:
         self.runtimes = runtimes
         self.caches = caches
         self.lookup = lookup
+        self.side = side  # where generated text is streamed to
         self.adapters_changed = False
         self.last_encode: tuple[int, float] | None = None  # (items, seconds) of the last batch encoded whole
 
@@ -100,7 +115,14 @@ class Computer:
                 for i in live:
                     outcomes[i] = failed
                 live = []
-        if live:
+        if live and batch.op == GENERATE:
+            t0 = time.perf_counter()
+            generated = generate_batch(self.runtimes[batch.base], batch, live, self.side)
+            for i, outcome in zip(live, generated, strict=True):
+                outcomes[i] = outcome
+            if all(o.situation is Situation.OK for o in generated):
+                self.last_encode = (len(live), time.perf_counter() - t0)
+        elif live:
             runtime = self.runtimes[batch.base]
             t0 = time.perf_counter()
             vectors = self._encode_split(runtime, [batch.items[i].task.text for i in live], batch.adapter)
@@ -150,14 +172,18 @@ class Computer:
 
 
 def run_worker(fleet: FleetConfig, *, nats_url: str | None = None, worker_id: str | None = None,
-               bases: list[str] | None = None) -> int:
-    """Serve until SIGTERM/SIGINT; returns the process exit code. Must run in the main thread."""
+               bases: list[str] | None = None, client_options: dict[str, Any] | None = None) -> int:
+    """Serve until SIGTERM/SIGINT; returns the process exit code. Must run in the main thread.
+
+    `client_options`: keyword arguments for `nats.connect` (credential, TLS), from
+    `nats_client.ClientSettings`; None connects without credentials.
+    """
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("run_worker must run in the main thread (inference and signal handling live there)")
     worker_id = worker_id or default_worker_id()
     serve = select_bases(fleet, bases)
     lookup = FleetLookup(fleet)
-    side = NatsSide(fleet, nats_url or fleet.nats_url, worker_id, serve, lookup.profile_for)
+    side = NatsSide(fleet, nats_url or fleet.nats_url, worker_id, serve, lookup.profile_for, client_options)
     side.on_fleet_state = lookup.apply_fleet_state
     signals = {"count": 0}
 
@@ -181,11 +207,15 @@ def _serve(fleet: FleetConfig, side: NatsSide, serve: list[str], lookup: FleetLo
     log.info("worker %s starting for %s (nats %s)", side.worker_id, ", ".join(serve), side.nats_url)
     side.start()  # connects while the models load
     runtimes: dict[str, Runtime] = {}
+    engines: dict[str, EngineRuntime] = {}
     try:
         for name in serve:
             t0 = time.perf_counter()
-            runtimes[name] = create_runtime(fleet.base(name), fleet.worker.device)
-            needs(runtimes[name])  # this pull loop serves the embed capability
+            runtime = create_runtime(fleet.base(name), fleet.worker.device)
+            if isinstance(runtime, EngineRuntime):  # started on the NATS loop, which drives it
+                engines[name] = runtime
+                continue
+            runtimes[name] = runtime
             log.info("base %s ready in %.1fs", name, time.perf_counter() - t0)
     except Exception as exc:
         log.error("loading base models failed: %s", exc, exc_info=True)
@@ -199,9 +229,13 @@ def _serve(fleet: FleetConfig, side: NatsSide, serve: list[str], lookup: FleetLo
     if not side.wait_connected():
         log.error("could not set up NATS at %s: %s", side.nats_url, side.error)
         return 1
-    caches = {b: AdapterCache(rt, fleet.worker.max_adapters) for b, rt in runtimes.items()}
-    computer = Computer(runtimes, caches, lookup)
-    side.start_serving({b: rt.dim for b, rt in runtimes.items()})
+    policy = adapter_policy(fleet)
+    caches = {b: AdapterCache(rt, fleet.worker.max_adapters, resolve=policy.resolve) for b, rt in runtimes.items()}
+    computer = Computer(runtimes, caches, lookup, side)
+    side.start_serving({b: rt.dim for b, rt in runtimes.items() if "embed" in rt.capabilities},
+                       {b: (rt, EngineAdapters(rt, fleet.worker.max_adapters, policy.resolve))
+                        for b, rt in engines.items()},
+                       lookup.uri_for)
     batches = tasks = 0
     busy_s = 0.0
     while True:
@@ -225,7 +259,9 @@ def _serve(fleet: FleetConfig, side: NatsSide, serve: list[str], lookup: FleetLo
     side.thread.join(timeout=fleet.worker.drain_timeout_s + 10)
     for rt in runtimes.values():
         rt.close()
-    log.info("worker %s stopped: %d batches, %d tasks, %.1fs computing", side.worker_id, batches, tasks, busy_s)
+    dropped = side.owners.dropped if side.owners is not None else 0
+    log.info("worker %s stopped: %d batches, %d tasks, %.1fs computing; %d tasks of gone gateways dropped uncomputed",
+             side.worker_id, batches, tasks, busy_s, dropped)
     if side.error is not None:
         return 1
     return 0

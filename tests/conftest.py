@@ -23,17 +23,19 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _default_data_dir() -> Path:
+    """LORAFLEET_DATA_DIR (CI sets it), else the cache that `lorafleet data fetch` fills in the user's home."""
     env = os.environ.get("LORAFLEET_DATA_DIR")
     if env:
         return Path(env)
-    return REPO.parent / "shared" / "data"
+    return Path(os.environ.get("LORAFLEET_HOME", REPO / ".lorafleet")).expanduser() / "data"
 
 
 @pytest.fixture(scope="session")
 def data_dir() -> Path:
     path = _default_data_dir()
     if not (path / "gesetze").is_dir():
-        pytest.fail(f"statutes not found under {path}; set LORAFLEET_DATA_DIR to the folder holding gesetze/")
+        pytest.fail(f"statutes not found under {path}: run `lorafleet data fetch`, or set LORAFLEET_DATA_DIR to the "
+                    "folder holding gesetze/")
     return path
 
 

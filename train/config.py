@@ -3,42 +3,27 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from lorafleet.config import PACKAGED_MINILM, ConfigError, StrictModel, apply_overrides, read_yaml, validate_model
+from lorafleet.train.tables import TableRef
 
 QueryKind = Literal["heading", "citation"]
 
 
-class DataConfig(StrictModel):
-    """Which statutes, which queries, how they are split.
+class SplitAndNegatives(StrictModel):
+    """What every retrieval data source shares: seeded splits, caps, chunking, hard negatives.
 
     All but the hard-negative settings go into the dataset digest.
     """
 
-    laws: list[str] = Field(
-        default_factory=lambda: ["kschg", "tzbfg", "agg", "arbzg", "milog", "prodhaftg", "betrvg", "gmbhg"],
-        min_length=1,
-        description="File stems under LORAFLEET_DATA_DIR/gesetze (bgb, hgb, kschg, …).",
-    )
-    query_kinds: list[QueryKind] = Field(
-        default_factory=lambda: ["heading", "citation"],
-        min_length=1,
-        description="heading: a section's heading → the section; citation: a sentence citing '§ N' of the same "
-        "law, with the citation removed → § N.",
-    )
     dev_fraction: float = Field(0.2, ge=0, lt=1, description="Share of query-bearing sections whose queries are dev.")
     test_fraction: float = Field(0.2, gt=0, lt=1, description="Share of query-bearing sections whose queries are test.")
     seed: int = Field(13, description="Fixes the section split and the query samples.")
     max_train_queries: int | None = Field(None, ge=1, description="Cap on training queries (seeded sample).")
     max_eval_queries: int | None = Field(None, ge=1, description="Cap on dev and on test queries, each.")
-    max_citations_per_section: int = Field(
-        4, ge=1, description="Citation queries kept per cited section, so often-cited sections do not dominate."
-    )
-    min_query_words: int = Field(5, ge=1, description="Shorter citation sentences are dropped.")
-    max_query_words: int = Field(48, ge=4, description="Longer citation sentences are cut to this many words.")
     max_chunks_per_section: int | None = Field(
         2, ge=1, description="Index only the first N chunks of a long section (None: all of it). Every section "
         "is in the corpus; 2 × 126 tokens hold a section's core rule and halve the encoding work of each evaluation.",
@@ -54,6 +39,33 @@ class DataConfig(StrictModel):
         None, ge=2, description="Negatives come from the base model's top-N candidates (None: all training sections)."
     )
 
+    @model_validator(mode="after")
+    def _check_fractions(self) -> SplitAndNegatives:
+        if self.dev_fraction + self.test_fraction >= 1:
+            raise ValueError("dev_fraction + test_fraction must be below 1 so that some sections are left for training")
+        return self
+
+
+class DataConfig(SplitAndNegatives):
+    """The statutes: which laws, which queries (the default data of the retrieval kind)."""
+
+    laws: list[str] = Field(
+        default_factory=lambda: ["kschg", "tzbfg", "agg", "arbzg", "milog", "prodhaftg", "betrvg", "gmbhg"],
+        min_length=1,
+        description="File stems under LORAFLEET_DATA_DIR/gesetze (bgb, hgb, kschg, …).",
+    )
+    query_kinds: list[QueryKind] = Field(
+        default_factory=lambda: ["heading", "citation"],
+        min_length=1,
+        description="heading: a section's heading → the section; citation: a sentence citing '§ N' of the same "
+        "law, with the citation removed → § N.",
+    )
+    max_citations_per_section: int = Field(
+        4, ge=1, description="Citation queries kept per cited section, so often-cited sections do not dominate."
+    )
+    min_query_words: int = Field(5, ge=1, description="Shorter citation sentences are dropped.")
+    max_query_words: int = Field(48, ge=4, description="Longer citation sentences are cut to this many words.")
+
     @field_validator("laws")
     @classmethod
     def _unique_laws(cls, laws: list[str]) -> list[str]:
@@ -61,11 +73,40 @@ class DataConfig(StrictModel):
             raise ValueError(f"laws must be unique, got {laws}")
         return laws
 
+
+class DatasetData(SplitAndNegatives):
+    """Your own retrieval data, read with `datasets` (see docs/data.md).
+
+    layout `corpus`: a corpus (id, text[, title]), queries (id, text) and qrels (query_id, corpus_id[, score][,
+    split]) — the BEIR/MTEB layout. layout `pairs`: (query, positive[, negative]) rows — the
+    sentence-transformers layout; the corpus is the distinct positives and negatives.
+    """
+
+    layout: Literal["corpus", "pairs"]
+    corpus: TableRef | None = None
+    queries: TableRef | None = None
+    qrels: TableRef | None = None
+    pairs: TableRef | None = None
+    columns: dict[str, str] = Field(default_factory=dict,
+                                    description="lorafleet's column name → the data's (e.g. {query: question}).")
+
     @model_validator(mode="after")
-    def _check_fractions(self) -> DataConfig:
-        if self.dev_fraction + self.test_fraction >= 1:
-            raise ValueError("dev_fraction + test_fraction must be below 1 so that some sections are left for training")
+    def _tables_for_layout(self) -> DatasetData:
+        need = ("corpus", "queries", "qrels") if self.layout == "corpus" else ("pairs",)
+        missing = [t for t in need if getattr(self, t) is None]
+        if missing:
+            raise ValueError(f"layout {self.layout!r} needs the table(s) {', '.join(missing)}")
         return self
+
+
+def _data_kind(value: Any) -> str:
+    layout = value.get("layout") if isinstance(value, dict) else getattr(value, "layout", None)
+    return "dataset" if layout is not None else "statutes"
+
+
+RetrievalData = Annotated[
+    Annotated[DataConfig, Tag("statutes")] | Annotated[DatasetData, Tag("dataset")], Discriminator(_data_kind)
+]
 
 
 class LoraSettings(StrictModel):
@@ -81,7 +122,8 @@ class LoraSettings(StrictModel):
 
 class TrainConfig(StrictModel):
     base_model: str = Field(PACKAGED_MINILM, description="Packaged MiniLM, hub id or local path.")
-    data: DataConfig = Field(default_factory=DataConfig)
+    data: RetrievalData = Field(default_factory=DataConfig, description="The statutes (default), or your own "
+                                "data with `layout: corpus | pairs` (docs/data.md).")
     lora: LoraSettings = Field(default_factory=LoraSettings)
     learning_rate: float = Field(5e-4, gt=0, lt=1)
     epochs: int = Field(2, ge=1, le=100)

@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from lorafleet.settings import DataDirError, data_dir
-from lorafleet.train.config import TrainConfig
+from lorafleet.train.config import DatasetData, TrainConfig
+from lorafleet.train.statute_source import source_id
 from lorafleet.train.statutes import Law, Section, law_path, parse_law
 
 SPLITS = ("train", "dev", "test")
@@ -73,6 +74,8 @@ class RetrievalDataset:
     split_of_section: dict[str, str]
     digest: str
     settings: dict[str, Any] = field(default_factory=dict)
+    # Negatives that came with the data (bring-your-own pairs): training query id → negative texts.
+    given_negatives: dict[str, list[str]] = field(default_factory=dict)
     # Mined hard negatives, keyed by the mining settings, so that many trials on one dataset mine once.
     negatives_cache: dict[tuple[Any, ...], Any] = field(default_factory=dict, repr=False)
 
@@ -215,8 +218,12 @@ def _seeded_sample(ids: list[str], cap: int | None, seed: int, salt: str) -> lis
 
 
 def build_dataset(cfg: TrainConfig, *, data_root: Path | None = None, tokenizer: Any = None) -> RetrievalDataset:
-    """Parse the chosen laws, chunk them, build queries, split them, and hash the result."""
+    """Parse the chosen laws (or read your own tables), chunk them, build queries, split them, hash the result."""
+    from lorafleet.train.byo_retrieval import build_byo_dataset
+
     d = cfg.data
+    if isinstance(d, DatasetData):
+        return build_byo_dataset(cfg, tokenizer if tokenizer is not None else _load_tokenizer(cfg.base_model))
     root = Path(data_root) if data_root is not None else data_dir()
     laws = [parse_law(root, stem) for stem in d.laws]
     sections: dict[str, Section] = {s.id: s for law in laws for s in law.sections}
@@ -287,6 +294,9 @@ def build_dataset(cfg: TrainConfig, *, data_root: Path | None = None, tokenizer:
         **d.model_dump(exclude={"hard_negatives", "num_negatives", "negative_margin", "negative_range_max"}),
         "max_seq_length": cfg.max_seq_length,
     }
+    source = source_id(root)
+    if source is not None:  # fetched data names its commit; a folder filled by hand keeps the old digest
+        settings["source"] = source
     dataset = RetrievalDataset(
         sections=sections, corpus=corpus, queries=queries, qrels=qrels, query_info=info,
         split_of_section=split_of_section, digest="", settings=settings,
@@ -303,6 +313,8 @@ def compute_digest(dataset: RetrievalDataset) -> str:
         "queries": dataset.queries,
         "qrels": dataset.qrels,
     }
+    if dataset.given_negatives:
+        content["negatives"] = dataset.given_negatives
     blob = json.dumps(content, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()
 

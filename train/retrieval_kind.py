@@ -22,6 +22,7 @@ class RetrievalKind(TaskKind):
     name: ClassVar[str] = "retrieval"
     capability: ClassVar[str] = "embed"
     bundle_kind: ClassVar[str] = "sentence-transformers"
+    default_runtime: ClassVar[str] = "sentence-transformers"
     metrics: ClassVar[MetricSpec] = MetricSpec(
         objective="dev_ndcg@10", direction="maximize", baseline="bm25", baseline_label="BM25", label="nDCG@10",
         table=("test_ndcg@10", "base_test_ndcg@10", "dev_ndcg@10"),

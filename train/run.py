@@ -6,23 +6,23 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any
 
 import yaml
 
 from lorafleet import settings
 from lorafleet.device import resolve_device
-from lorafleet.metrics import flatten_params, mlflow_metrics, prefixed
+from lorafleet.metrics import prefixed
 from lorafleet.tasks import TrainResult
-from lorafleet.train.config import TrainConfig
+from lorafleet.train import tracking
+from lorafleet.train.config import DataConfig, TrainConfig
 from lorafleet.train.dataset import RetrievalDataset, build_dataset
 from lorafleet.train.evaluate import METRICS, BM25Evaluator, DenseEvaluator
 from lorafleet.train.trainer import CostMeter, load_base_model, train_adapter
 
 log = logging.getLogger("lorafleet.train")
 
-EXPERIMENT = "lorafleet-train"
 HEADLINE = "test_ndcg@10"
+TASK = "retrieval"  # the task kind whose headline metrics and view a run gets in MLflow
 
 
 def default_out_dir() -> Path:
@@ -48,13 +48,22 @@ def relative_lift(metrics: dict[str, float], split: str = "test", metric: str = 
     return (metrics[f"{split}_{metric}"] - base) / base if base > 0 else float("nan")
 
 
+def _data_line(cfg: TrainConfig) -> str:
+    d = cfg.data
+    if isinstance(d, DataConfig):
+        return f"- laws: {', '.join(d.laws)}; query kinds: {', '.join(d.query_kinds)}"
+    tables = [f"{t} `{ref.label()}`" for t in ("corpus", "queries", "qrels", "pairs")
+              if (ref := getattr(d, t)) is not None]
+    return f"- your data, layout `{d.layout}`: " + ", ".join(tables)
+
+
 def write_report(path: Path, cfg: TrainConfig, dataset: RetrievalDataset, result: TrainResult) -> Path:
     m = result.metrics
     lines = [
         "# LoRA training report",
         "",
         f"- base model: `{cfg.base_model}`, max_seq_length {cfg.max_seq_length}, device {result.extras.get('device')}",
-        f"- laws: {', '.join(cfg.data.laws)}; query kinds: {', '.join(cfg.data.query_kinds)}",
+        _data_line(cfg),
         f"- dataset digest: `{dataset.digest}`",
         "- dataset: " + ", ".join(f"{k} {v}" for k, v in dataset.summary().items()),
         f"- LoRA r={cfg.lora.r} alpha={cfg.lora.alpha} dropout={cfg.lora.dropout} targets={cfg.lora.target_modules}; "
@@ -73,7 +82,7 @@ def write_report(path: Path, cfg: TrainConfig, dataset: RetrievalDataset, result
             lift = (m[key] - base) / base * 100 if base else float("nan")
             lines.append(f"| {name} | {m.get(f'bm25_{key}', float('nan')):.4f} | {base:.4f} | {m[key]:.4f} | "
                          f"{lift:+.1f} % |")
-        for kind in cfg.data.query_kinds:
+        for kind in sorted({q.kind for q in dataset.query_info.values()}):
             key = f"{split}_{kind}_ndcg@10"
             if key in m:
                 lines.append(f"| ndcg@10, {kind} queries only | {m.get('bm25_' + key, float('nan')):.4f} | "
@@ -89,28 +98,6 @@ def write_report(path: Path, cfg: TrainConfig, dataset: RetrievalDataset, result
               f"≈ ${c['usd']:.4f} at ${cfg.price_per_hour_usd}/h", ""]
     path.write_text("\n".join(lines))
     return path
-
-
-def _mlflow_start(run_name: str | None) -> Any:
-    import mlflow
-
-    if mlflow.active_run() is not None:
-        # Inside a research study: this run becomes a child of the study's run.
-        return mlflow.start_run(run_name=run_name, nested=True)
-    mlflow.set_tracking_uri(settings.mlflow_tracking_uri())
-    if mlflow.get_experiment_by_name(EXPERIMENT) is None:
-        mlflow.create_experiment(EXPERIMENT, artifact_location=settings.mlflow_artifact_root())
-    mlflow.set_experiment(EXPERIMENT)
-    return mlflow.start_run(run_name=run_name)
-
-
-def _log_dataset(dataset: RetrievalDataset) -> None:
-    import mlflow
-
-    frame = dataset.to_frame()
-    ds = mlflow.data.from_pandas(frame, name="german-statutes", digest=dataset.digest[:36])
-    mlflow.log_input(ds, context="training")
-    mlflow.set_tag("dataset_digest", dataset.digest)
 
 
 def run_train(
@@ -129,21 +116,18 @@ def run_train(
     log.info("dataset %s: %s (%.0f s)", dataset.digest[:12], dataset.summary(), time.perf_counter() - t0)
     (out / "train_config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False, allow_unicode=True))
 
-    run_ctx = _mlflow_start(mlflow_run_name) if log_mlflow else None
-    try:
-        if run_ctx is not None:
-            import mlflow
-
-            mlflow.log_params(flatten_params(cfg.model_dump(mode="json")))
-            _log_dataset(dataset)
-            mlflow.log_metrics(mlflow_metrics(dataset.summary(), "dataset_"))
+    with tracking.train_run(mlflow_run_name, enabled=log_mlflow) as run:
+        if run is not None:
+            tracking.log_config(cfg, TASK)
+            tracking.log_dataset(dataset.to_frame(), tracking.dataset_name(TASK, dataset), dataset.digest,
+                                 dataset.summary())
         base = baselines(cfg, dataset)
-        if run_ctx is not None:
-            mlflow.log_metrics(mlflow_metrics(base))
+        if run is not None:
+            tracking.log_headline(base, TASK)  # all of them reach the run's table with the result
 
         def on_epoch(epoch: int, dev: dict[str, float]) -> None:
-            if run_ctx is not None:
-                mlflow.log_metrics(mlflow_metrics(dev), step=epoch)
+            if run is not None:
+                tracking.log_epoch(epoch, dev, TASK)
 
         result = train_adapter(cfg, dataset, out, on_epoch=on_epoch)
         result.metrics.update(base)
@@ -157,24 +141,10 @@ def run_train(
             "train_cost": result.extras["train_cost"], "dataset_digest": dataset.digest,
             "dataset": dataset.summary(), "base_model": cfg.base_model, "max_seq_length": cfg.max_seq_length,
         }, indent=2, sort_keys=True))
-        if run_ctx is not None:
-            for e in result.epochs:
-                mlflow.log_metric("train_loss", e["train_loss"], step=int(e["epoch"]))
-            per_epoch = set(result.epochs[-1]) if result.epochs else set()  # already logged with step=epoch
-            mlflow.log_metrics(mlflow_metrics({k: v for k, v in result.metrics.items() if k not in per_epoch}))
-            mlflow.log_metrics(mlflow_metrics(result.cost, "cost_"))
-            mlflow.log_artifacts(str(result.adapter_dir), "adapter")
-            mlflow.log_artifact(str(result.report_path))
-            mlflow.log_artifact(str(out / "metrics.json"))
-            result.extras["mlflow_run_id"] = run_ctx.info.run_id
+        if run is not None:
+            tracking.log_result(run, result, out, live_epochs=True, task=TASK)
         log.info("done: test_ndcg@10 %.4f (base %.4f, bm25 %.4f, lift %+.1f %%) in %.0f s → %s",
                  result.metrics["test_ndcg@10"], result.metrics["base_test_ndcg@10"],
                  result.metrics["bm25_test_ndcg@10"], 100 * result.metrics["test_ndcg@10_lift"],
                  result.cost["wall_s"], out)
         return result
-    finally:
-        if run_ctx is not None:
-            import mlflow
-
-            status = "FINISHED" if "result" in locals() else "FAILED"
-            mlflow.end_run(status=status)

@@ -155,6 +155,8 @@ def _train_dataset(cfg: TrainConfig, dataset: RetrievalDataset, model: Any) -> t
     from datasets import Dataset
 
     pairs = dataset.train_pairs()
+    if dataset.given_negatives and not cfg.data.hard_negatives:
+        return _given_negatives(cfg, dataset, pairs)
     if not cfg.data.hard_negatives:
         data = {"anchor": [q for q, _ in pairs], "positive": [p for _, p in pairs]}
         return Dataset.from_dict(data), {"train_pairs": len(pairs), "train_negatives": 0,
@@ -168,6 +170,34 @@ def _train_dataset(cfg: TrainConfig, dataset: RetrievalDataset, model: Any) -> t
              cfg.data.num_negatives, len(rows) - n_random, len(pairs), time.perf_counter() - t0)
     return Dataset.from_dict(data), {"train_pairs": len(rows), "train_negatives": cfg.data.num_negatives,
                                      "train_random_negative_queries": n_random}
+
+
+def _given_negatives(cfg: TrainConfig, dataset: RetrievalDataset, pairs: list[tuple[str, str]]
+                     ) -> tuple[Any, dict[str, float]]:
+    """Training triples with the negatives that came with the data; a query without enough gets seeded random
+    training documents for the rest, so every row has `num_negatives` (counted in the stats)."""
+    import random
+
+    from datasets import Dataset
+
+    n = cfg.data.num_negatives
+    rng = random.Random(cfg.seed)
+    pool = sorted({p for _, p in pairs})
+    rows: dict[str, list[str]] = {"anchor": [], "positive": []}
+    for i in range(n):
+        rows[f"negative_{i + 1}"] = []
+    filled = 0
+    for qid, (q, p) in zip(dataset.queries["train"], pairs, strict=True):
+        negs = [x for x in dataset.given_negatives.get(qid, []) if x != p][:n]
+        if len(negs) < n:
+            filled += 1
+            negs += rng.sample([c for c in pool if c != p and c not in negs], n - len(negs))
+        rows["anchor"].append(q)
+        rows["positive"].append(p)
+        for i, neg in enumerate(negs):
+            rows[f"negative_{i + 1}"].append(neg)
+    return Dataset.from_dict(rows), {"train_pairs": len(pairs), "train_negatives": n,
+                                     "train_random_negative_queries": filled}
 
 
 def _add_lora(model: Any, cfg: TrainConfig) -> None:

@@ -33,11 +33,48 @@ class TuneConfig(StrictModel):
     budget_s: float = Field(300.0, gt=0, description="Stop starting new profiles after this long.")
     seed: int = 0
     device: str = "auto"
+    slo_ttft_p99_ms: float = Field(2000.0, gt=0, description="Generative specialists: the objective on time to first "
+                                   "token (p99) of their sweep (GenerativeTuneConfig).")
 
     @classmethod
     def quick_preset(cls, **overrides: object) -> TuneConfig:
         base: dict[str, object] = dict(quick=True, concurrencies=[8], open_fractions=[0.6], point_s=1.2,
                                        warmup_s=0.3, items_grid=[1, 8], wait_grid=[], inflight_grid=[],
                                        min_open_requests=15, tokens_per_item_grid=[], max_profiles=3, budget_s=45.0)
+        base.update(overrides)
+        return cls(**base)
+
+
+class GenerativeTuneConfig(StrictModel):
+    """The sweep of a generative specialist's serving profile: the engine options of its base (vllm runtime)."""
+
+    slo_ttft_p99_ms: float = Field(2000.0, gt=0, description="Latency objective: time to first token, p99, at the "
+                                   "highest concurrency.")
+    memory_gb: float | None = Field(None, gt=0, description="Peak memory limit of the worker and its engine (GiB).")
+    quick: bool = False
+    concurrencies: list[int] = Field(default_factory=lambda: [1, 32], min_length=1)
+    point_s: float = Field(15.0, gt=0)
+    warmup_s: float = Field(5.0, ge=0)
+    max_tokens: int = Field(64, ge=1, description="Output tokens per request (greedy).")
+    max_model_len: int = Field(2048, ge=64)
+    seqs_grid: list[int] = Field(default_factory=lambda: [8, 16, 32, 64], min_length=1,
+                                 description="max_num_seqs: sequences the engine decodes at once.")
+    batched_tokens_grid: list[int] = Field(default_factory=lambda: [512, 8192],
+                                           description="max_num_batched_tokens: tokens per engine step.")
+    kv_cache_gib_grid: list[int] = Field(default_factory=lambda: [2], description="CPU: KV-cache GiB.")
+    gpu_memory_grid: list[float] = Field(default_factory=lambda: [0.6, 0.9], description="CUDA: memory share.")
+    slots_grid: list[float] = Field(default_factory=lambda: [0.75, 1.25],
+                                    description="The worker's slot target, as a share of max_num_seqs.")
+    plateau_gain: float = Field(0.03, ge=0)
+    max_profiles: int = Field(8, ge=1)
+    budget_s: float = Field(1200.0, gt=0)
+    seed: int = 0
+    device: str = "auto"
+
+    @classmethod
+    def quick_preset(cls, **overrides: object) -> GenerativeTuneConfig:
+        base: dict[str, object] = dict(quick=True, concurrencies=[8], point_s=5.0, warmup_s=2.0, max_tokens=32,
+                                       seqs_grid=[8, 16], batched_tokens_grid=[], kv_cache_gib_grid=[],
+                                       gpu_memory_grid=[], slots_grid=[], max_profiles=2, budget_s=300.0)
         base.update(overrides)
         return cls(**base)

@@ -31,7 +31,8 @@ from lorafleet.cluster import ClusterError, LocalCluster
 from lorafleet.config import BaseModelSpec, FleetConfig, GatewayConfig, ServedModel, ServingProfile, WorkerConfig
 from lorafleet.nats_server import free_port
 from lorafleet.tune.analysis import ProfileResult, Recommendation, pareto_front, plateaued, recommend, score
-from lorafleet.tune.config import TuneConfig, TuneError
+from lorafleet.tune.config import GenerativeTuneConfig, TuneConfig, TuneError
+from lorafleet.tune.generative import GenerativeTuneResult, is_generative, run_generative_tune
 from lorafleet.tune.loadgen import LoadResult, Target, closed_loop, open_loop
 from lorafleet.tune.probe import SERVED_NAME, PeakMemory, load_texts, make_target, run_async
 from lorafleet.tune.report import write_outputs
@@ -174,9 +175,20 @@ def _profile(items: int, tokens: int, wait: float, inflight: int) -> ServingProf
 
 
 def run_tune(source: TuneSource, cfg: TuneConfig | None = None, out_dir: Path | None = None,
-             say: Say | None = None) -> TuneResult:
-    """Sweep, write profile.yaml / results.csv / results.json / throughput_p99.png, return the result."""
+             say: Say | None = None, generative: GenerativeTuneConfig | None = None
+             ) -> TuneResult | GenerativeTuneResult:
+    """Sweep, write profile.yaml / results.csv / results.json / throughput_p99.png, return the result.
+
+    A LoRA of a causal LM gets the generative sweep instead (generative.py: the engine options of its base),
+    with `generative` or, from `cfg`, its quick preset and memory limit.
+    """
     cfg = cfg or TuneConfig()
+    if is_generative(source):
+        if generative is None:
+            generative = GenerativeTuneConfig.quick_preset() if cfg.quick else GenerativeTuneConfig()
+            generative = generative.model_copy(update={"memory_gb": cfg.memory_gb, "device": cfg.device,
+                                                       "slo_ttft_p99_ms": cfg.slo_ttft_p99_ms})
+        return run_generative_tune(source, generative, out_dir, say)
     say = say or (lambda text: print(text, file=sys.stderr, flush=True))
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out_dir = Path(out_dir) if out_dir else settings.home() / "tune" / f"{source.label}-{stamp}"

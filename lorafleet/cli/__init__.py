@@ -34,9 +34,9 @@ def _root(
 
 
 def _register() -> None:
-    from lorafleet.cli import registry, research, serve, train, tune
+    from lorafleet.cli import creds, data, registry, research, runtime, serve, train, tune
 
-    for module in (serve, train, research, tune, registry):
+    for module in (serve, creds, data, runtime, train, research, tune, registry):
         module.register(app)
 
 

@@ -14,6 +14,10 @@ registry_app = typer.Typer(help="Bundles registered in MLflow: versions, aliases
                            no_args_is_help=True)
 
 
+CREDS_HELP = ("NATS credential with the control role (default: $LORAFLEET_NATS_CREDS, else "
+              "LORAFLEET_HOME/creds/control.nk); TLS from $LORAFLEET_NATS_TLS_CA and the cluster's CA.")
+
+
 def _fail(message: str, code: int = 1) -> None:
     typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
     raise typer.Exit(code)
@@ -63,12 +67,14 @@ def promote(
                                  "base model, e.g. 0.02 for 2 % (default: $LORAFLEET_PROMOTE_MARGIN, else 0)."),
     nats_url: str = typer.Option(None, "--nats-url", help="Cluster to update (default: LORAFLEET_HOME/cluster.json)."),
     fleet: Path = typer.Option(None, "--fleet", help="Fleet YAML of that cluster (to check its base models)."),
+    creds: Path = typer.Option(None, "--creds", help=CREDS_HELP),
 ) -> None:
     """Quality gate → alias 'champion' → live fleet state: gateways and workers switch without a restart."""
     from lorafleet.registry.promote import promote as do_promote
 
     try:
-        out = do_promote(name, version, force=force, margin=margin, nats_url=nats_url, fleet_file=fleet)
+        out = do_promote(name, version, force=force, margin=margin, nats_url=nats_url, fleet_file=fleet,
+                         creds=creds)
     except _errors() as exc:
         _fail(str(exc))
         return
@@ -88,12 +94,13 @@ def rollback(
     name: str = typer.Argument(..., help="Registered model name (= the served name)."),
     nats_url: str = typer.Option(None, "--nats-url", help="Cluster to update (default: LORAFLEET_HOME/cluster.json)."),
     fleet: Path = typer.Option(None, "--fleet", help="Fleet YAML of that cluster (to check its base models)."),
+    creds: Path = typer.Option(None, "--creds", help=CREDS_HELP),
 ) -> None:
     """Move 'champion' back to the previous champion version, live."""
     from lorafleet.registry.promote import rollback as do_rollback
 
     try:
-        out = do_rollback(name, nats_url=nats_url, fleet_file=fleet)
+        out = do_rollback(name, nats_url=nats_url, fleet_file=fleet, creds=creds)
     except _errors() as exc:
         _fail(str(exc))
         return
@@ -101,11 +108,40 @@ def rollback(
                f"{out.nats_url}")
 
 
+UI_VIEW_PREFIX = "mlflow.sharedViewState.lorafleet"  # the saved runs views research and train keep
+UI_MODE = "workflowType=machine_learning"  # MLflow 3's "Model training" side of the UI, not the GenAI one
+
+
+def ui_links(base_url: str, uri: str) -> list[tuple[str, str]]:
+    """(what, URL) for each lorafleet experiment's runs view (its saved `lorafleet…` view when it has one)
+    and each registered model, oldest experiment first; none when the store cannot be read."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    links: list[tuple[str, str]] = []
+    try:
+        experiments = client.search_experiments(filter_string="name LIKE 'lorafleet-%'")
+        models = client.search_registered_models()
+    except Exception:  # a store that does not answer: the server will say why
+        return links
+    for exp in sorted(experiments, key=lambda e: int(e.experiment_id) if e.experiment_id.isdigit() else 0):
+        page = f"{base_url}/#/experiments/{exp.experiment_id}/runs?{UI_MODE}"
+        views = sorted(k.removeprefix("mlflow.sharedViewState.") for k in exp.tags if k.startswith(UI_VIEW_PREFIX))
+        links += [(f"runs of {exp.name}" + (f" (view {v})" if len(views) > 1 else ""), f"{page}&viewStateShareKey={v}")
+                  for v in views] or [(f"runs of {exp.name}", page)]
+    for model in sorted(models, key=lambda m: m.name):
+        aliases = ", ".join(f"{a}=v{v}" for a, v in sorted((model.aliases or {}).items()))
+        links.append((f"model {model.name}" + (f" ({aliases})" if aliases else ""),
+                      f"{base_url}/#/models/{model.name}?{UI_MODE}"))
+    return links
+
+
 def ui(
     port: int = typer.Option(5000, "--port", "-p", help="Port of the MLflow UI."),
     host: str = typer.Option("127.0.0.1", "--host", help="Interface to listen on."),
 ) -> None:
-    """Start the MLflow UI on the lorafleet store (Ctrl-C stops it)."""
+    """Start the MLflow UI on the lorafleet store and print the direct links to each study's runs view and
+    each registered model (Ctrl-C stops it)."""
     from lorafleet import settings
 
     uri = settings.mlflow_tracking_uri()
@@ -115,7 +151,11 @@ def ui(
         argv += ["--default-artifact-root", settings.mlflow_artifact_root()]
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_DISABLE_TELEMETRY": "true",
            "DO_NOT_TRACK": "1"}
-    typer.echo(f"MLflow UI on http://{host}:{port}  (store {uri}); Ctrl-C stops it")
+    base_url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{port}"
+    typer.echo(f"MLflow UI on {base_url}/#/experiments?{UI_MODE}  (store {uri}); Ctrl-C stops it")
+    for what, url in ui_links(base_url, uri):
+        typer.echo(f"  {what}: {url}")
+    sys.stdout.flush()
     # Own process group: Ctrl-C here stops the server and every worker it forked, nothing else.
     proc = subprocess.Popen(argv, env=env, start_new_session=True)
 

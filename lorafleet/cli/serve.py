@@ -23,18 +23,35 @@ def up(
     workers: int = typer.Option(1, "--workers", "-w", min=0, help="Worker processes to start."),
     port: int = typer.Option(None, "--port", "-p", help="Gateway port (default: the fleet's, 8080)."),
     fleet: Path = typer.Option(None, "--fleet", "-f", help="Fleet YAML (default: configs/fleet.yaml if present)."),
-    detach: bool = typer.Option(False, "--detach", "-d", help="Return once ready; stop later with `lorafleet down`."),
+    detach: bool = typer.Option(False, "--detach", "-d", help="Return once ready; a supervisor keeps the cluster "
+                                "running (and restarts what dies) until `lorafleet down`."),
     timeout: float = typer.Option(300.0, help="Seconds to wait for the cluster to become ready."),
+    tls: bool = typer.Option(False, "--tls", help="TLS on NATS connections, with a private CA made under "
+                             "LORAFLEET_HOME/tls (give remote workers its ca.pem)."),
+    insecure_no_auth: bool = typer.Option(False, "--insecure-no-auth", help="Run nats-server WITHOUT "
+                                          "authentication: anyone who reaches it owns the fleet. Loopback tests only."),
+    home: Path = typer.Option(None, "--home", help="LORAFLEET_HOME for this cluster (default: $LORAFLEET_HOME)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address nats-server and the gateway listen on (0.0.0.0: "
+                             "every interface, for workers on other hosts: keep authentication on, add --tls)."),
 ) -> None:
-    """Start a local cluster: embedded nats-server, N workers and the gateway, under LORAFLEET_HOME."""
+    """Start a local cluster: nats-server (authentication on), N workers and the gateway, supervised."""
+    from lorafleet import settings
     from lorafleet.cluster import ClusterError, LocalCluster, load_fleet
     from lorafleet.config import ConfigError
 
+    if home is not None:
+        os.environ["LORAFLEET_HOME"] = str(home.expanduser().resolve())
     if fleet is None and DEFAULT_FLEET.is_file():
         fleet = DEFAULT_FLEET
+    if detach:
+        _up_detached(workers, port, fleet, timeout, tls, insecure_no_auth, settings.home(), host)
+        return
     try:
         cfg = load_fleet(fleet)
-        cluster = LocalCluster(cfg, workers=workers, port=port)
+        cluster = LocalCluster(cfg, workers=workers, port=port, host=host, auth=not insecure_no_auth, tls=tls,
+                               supervise=True,
+                               on_event=lambda text: typer.secho(text, err=True, fg=typer.colors.YELLOW),
+                               supervisor_pid=os.getpid())
         t0 = time.monotonic()
         cluster.start(timeout=timeout, progress=True)
     except (ConfigError, ClusterError) as exc:
@@ -42,12 +59,10 @@ def up(
         return
     names = ", ".join([b.name for b in cfg.bases] + [m.name for m in cfg.models])
     typer.echo(f"lorafleet is ready in {time.monotonic() - t0:.1f}s: gateway {cluster.gateway_url}  (serving: {names})")
+    typer.echo(f"  NATS {cluster.nats_url}: " + (f"credentials in {cluster.home / 'creds'}" if not insecure_no_auth
+                                                   else "NO AUTHENTICATION (--insecure-no-auth)"))
     typer.echo(f"  try: lorafleet embed --model {cfg.bases[0].name} 'Der Käufer zahlt den Kaufpreis.'")
     typer.echo(f"  state and logs: {cluster.home}")
-    if detach:
-        cluster.detach()  # the parts run in their own sessions and outlive this process
-        typer.echo("  detached; stop with: lorafleet down")
-        return
     typer.echo("  press Ctrl-C to stop")
     stop = {"now": False}
 
@@ -58,18 +73,53 @@ def up(
     signal.signal(signal.SIGTERM, _on_signal)
     try:
         while not stop["now"]:
-            time.sleep(0.5)
-            for name, code in cluster.exited():
-                typer.secho(f"{name} exited with code {code}; see {cluster.log_path(name)}",
-                            err=True, fg=typer.colors.YELLOW)
+            time.sleep(0.2)
     finally:
         typer.echo("stopping (workers finish what they hold)…")
         cluster.stop()
         typer.echo("stopped")
 
 
+def _up_detached(workers: int, port: int | None, fleet: Path | None, timeout: float, tls: bool, insecure: bool,
+                 home: Path, host: str) -> None:
+    """`up` again in its own session (the supervisor, logging to logs/supervisor.log); return once it is ready."""
+    import subprocess
+
+    from lorafleet.cluster import ClusterError, ClusterState
+
+    argv = [sys.executable, "-m", "lorafleet.cli", "up", "--home", str(home), "--workers", str(workers),
+            "--timeout", str(timeout), "--host", host]
+    if port is not None:
+        argv += ["--port", str(port)]
+    if fleet is not None:
+        argv += ["--fleet", str(fleet.resolve())]
+    argv += ["--tls"] if tls else []
+    argv += ["--insecure-no-auth"] if insecure else []
+    (home / "logs").mkdir(parents=True, exist_ok=True)
+    log_path = home / "logs" / "supervisor.log"
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, env={**os.environ, "LORAFLEET_HOME": str(home)})
+    deadline = time.monotonic() + timeout + 30.0
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
+            _fail(f"the cluster did not start (exit code {proc.returncode}); {log_path}:\n{tail}")
+        try:
+            state = ClusterState.load(home)
+            if state.ready and state.supervisor_pid == proc.pid:
+                typer.echo(f"lorafleet is ready: gateway {state.gateway_url}, NATS {state.nats_url}"
+                           f"{'' if state.auth else ' (NO AUTHENTICATION)'}")
+                typer.echo(f"  supervisor pid {proc.pid} (log {log_path}); stop with: lorafleet down")
+                return
+        except (ClusterError, ValueError, OSError):
+            pass
+        time.sleep(0.2)
+    _fail(f"the cluster was not ready within {timeout:.0f}s; see {log_path}")
+
+
 def down(timeout: float = typer.Option(30.0, help="Seconds workers get to finish in-flight tasks.")) -> None:
-    """Stop the local cluster started with `lorafleet up --detach`."""
+    """Stop the local cluster: its supervisor, then whatever of it still runs (found by command line)."""
     from lorafleet.cluster import ClusterError
     from lorafleet.cluster import down as cluster_down
 
@@ -82,40 +132,49 @@ def down(timeout: float = typer.Option(30.0, help="Seconds workers get to finish
 
 
 def status(as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
-    """Workers, models, adapters, queue depth and consumer lag of the local cluster."""
+    """Processes (found running, with restarts), workers, models, adapters, queue depth of the local cluster."""
     import asyncio
 
     from lorafleet import settings
-    from lorafleet.cluster import ClusterError, ClusterState, collect_status, pid_alive
+    from lorafleet.cluster import ClusterError, ClusterState, collect_status
+    from lorafleet.cluster_state import processes
     from lorafleet.config import FleetConfig, load_yaml_model
 
+    home = settings.home()
     try:
-        state = ClusterState.load(settings.home())
+        state = ClusterState.load(home)
         fleet = load_yaml_model(FleetConfig, state.fleet_file)
-        info = asyncio.run(collect_status(state, fleet))
     except ClusterError as exc:
         _fail(str(exc))
         return
-    except (OSError, TimeoutError) as exc:
-        _fail(f"cannot reach nats-server at {state.nats_url}: {exc}")
-        return
-    info["processes"] = {name: {"pid": pid, "alive": pid_alive(pid)} for name, pid in state.pids.items()}
+    procs = processes(home, state)
+    try:
+        info = asyncio.run(collect_status(state, fleet))
+    except (ClusterError, OSError, TimeoutError) as exc:
+        info = {"workers": {}, "queue": {"error": str(exc)}}
+    info["processes"] = procs
     info["gateway_url"] = state.gateway_url
     if as_json:
         typer.echo(json.dumps(info, indent=2, default=str))
         return
-    typer.echo(f"gateway {state.gateway_url}   nats {state.nats_url}")
+    typer.echo(f"gateway {state.gateway_url}   nats {state.nats_url}{'' if state.auth else '  (no authentication)'}")
     typer.echo("processes:")
-    for name, p in info["processes"].items():
-        typer.echo(f"  {name:<14} pid {p['pid']:<8} {'running' if p['alive'] else 'stopped'}")
+    for name, p in procs.items():
+        restarts = f"  restarted {p['restarts']}x (last exit {p['last_exit']})" if p["restarts"] else ""
+        typer.echo(f"  {name:<14} " + (f"pid {p['pid']:<8} running" if p["alive"] else f"{'':<12} stopped")
+                   + restarts)
     typer.echo("workers (from heartbeats):")
     if not info["workers"]:
         typer.echo("  none seen in the last 1.5 s")
     for name, hb in info["workers"].items():
         adapters = ", ".join(f"{b}: {a}" for b, a in hb["adapters"].items() if a) or "none"
+        rates = ", ".join(f"{b} {r:.0f}/s" for b, r in hb.get("service_rates", {}).items()) or "not measured"
+        engines = "".join(f"  {b}: {hb['slots_used'].get(b, 0)}/{n} sequences, KV cache "
+                          f"{100 * hb.get('kv_cache', {}).get(b, 0.0):.0f}%" for b, n in hb.get("slots", {}).items())
         typer.echo(
-            f"  {name:<14} bases {', '.join(hb['bases'])}  adapters {adapters}  in flight {hb['in_flight']}  "
-            f"{hb['batches_per_s']:.1f} batches/s  done {hb['tasks_done']}{'  draining' if hb['draining'] else ''}"
+            f"  {name:<14} bases {', '.join(hb['bases']) or '(none pulling)'}  adapters {adapters}  in flight "
+            f"{hb['in_flight']}  {hb['batches_per_s']:.1f} batches/s  rate {rates}  done {hb['tasks_done']}"
+            f"{engines}{'  draining' if hb['draining'] else ''}"
         )
     typer.echo("queue (per consumer):")
     queue = info["queue"]
@@ -173,7 +232,27 @@ def embed(
     sys.stdout.flush()
 
 
+_PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
+
+
+def worker(ctx: typer.Context) -> None:
+    """Run one worker in the foreground (e.g. on another host): the options of `python -m lorafleet.sidecar`
+    (--fleet, --nats-url, --creds, --tls-ca, …; --help lists them)."""
+    from lorafleet.sidecar.__main__ import main
+
+    raise typer.Exit(main(list(ctx.args)))
+
+
+def gateway(ctx: typer.Context) -> None:
+    """Run one gateway in the foreground: the options of `python -m lorafleet.serve` (--help lists them)."""
+    from lorafleet.serve.__main__ import main
+
+    raise typer.Exit(main(list(ctx.args)))
+
+
 def register(app: typer.Typer) -> None:
+    app.command("worker", context_settings=_PASS_THROUGH)(worker)
+    app.command("gateway", context_settings=_PASS_THROUGH)(gateway)
     app.command("up")(up)
     app.command("down")(down)
     app.command("status")(status)

@@ -60,7 +60,7 @@ pytestmark = pytest.mark.integration
 QUEUE = QueueConfig()
 BASE = "mini-base"
 KV_STREAM = f"KV_{FLEET_KV_BUCKET}"
-WAIT_S = 5.0  # upper bound on any awaited event; each arrives in milliseconds
+WAIT_S = 10.0  # upper bound on any awaited event; each arrives in milliseconds
 
 
 class Errors:
@@ -412,8 +412,48 @@ async def test_gateway_creates_missing_streams_but_cannot_reconfigure_them(serve
     assert (await js.stream_info(QUEUE.dlq_stream)).config.name == QUEUE.dlq_stream
     kv = await js.create_key_value(KeyValueConfig(bucket=FLEET_KV_BUCKET, history=16))  # and the fleet bucket
     await refused(errors, kv.put("german-legal", b"{}"), f"$KV.{FLEET_KV_BUCKET}")  # which it only reads
-    # Once they exist, ensure_streams would update them: that (like purge and delete) is admin's.
+    # Once they exist, ensure_streams leaves them as they are (update=False, the default) ...
+    before = len(errors.violations())
+    assert await ensure_streams(js, QUEUE, bases=[BASE]) is False
+    assert len(errors.violations()) == before
+    # ... for updating them (like purging and deleting) is admin's, as `lorafleet up` does.
     await refused(errors, js.update_stream(dlq_stream_config(QUEUE)), f"STREAM.UPDATE.{QUEUE.dlq_stream}")
+
+
+async def test_a_worker_cannot_create_streams_it_waits_for_them(server: NatsServer, connect: Any) -> None:
+    from lorafleet.queue import stream_exists, wait_for_stream
+
+    worker, errors = await connect("worker")
+    js = worker.jetstream()
+    assert not await stream_exists(js, QUEUE.stream)
+    await refused(errors, js.add_stream(work_stream_config(QUEUE, [BASE])), f"STREAM.CREATE.{QUEUE.stream}")
+    waiting = asyncio.create_task(wait_for_stream(js, QUEUE.stream, poll_s=0.05))
+    admin, _ = await connect("admin")
+    assert await ensure_streams(admin.jetstream(), QUEUE, bases=[BASE], max_age_s=40.0, update=True)
+    await asyncio.wait_for(waiting, WAIT_S)
+    assert await ensure_consumer(js, BASE, QUEUE) == consumer_name(BASE)
+    info = await admin.jetstream().stream_info(QUEUE.stream)
+    # Only the served bases' subjects, each bounded on its own, and nothing older than the largest deadline.
+    assert info.config.subjects == [work_subject(BASE)] and info.config.max_age == 40.0
+    assert info.config.duplicate_window == 40.0  # JetStream wants it within the max age
+    assert info.config.max_msgs_per_subject == QUEUE.max_msgs and info.config.discard_new_per_subject
+
+
+def test_client_settings_flag_beats_environment_beats_fleet_file(tmp_path: Path, creds_dir: Path) -> None:
+    from lorafleet.config import NatsClientConfig
+    from lorafleet.nats_client import ClientSettings
+
+    config = NatsClientConfig(creds=str(creds_dir / "control.nk"), tls_ca="/from/file/ca.pem")
+    env = {ENV_CREDS: str(creds_dir / "gateway.nk")}
+    assert ClientSettings.resolve(config=config, environ={}).creds == creds_dir / "control.nk"
+    got = ClientSettings.resolve(config=config, environ=env)
+    assert got.creds == creds_dir / "gateway.nk" and got.tls is not None and str(got.tls.ca) == "/from/file/ca.pem"
+    assert ClientSettings.resolve(creds=creds_dir / "worker.nk", config=config, environ=env).creds == \
+        creds_dir / "worker.nk"
+    fallback = ClientSettings.resolve(environ={}, fallback_creds=creds_dir / "control.nk")
+    assert fallback.creds == creds_dir / "control.nk" and fallback.tls is None
+    assert ClientSettings.resolve(environ={}, fallback_creds=tmp_path / "missing.nk").creds is None
+    assert got.env() == {ENV_CREDS: str(creds_dir / "gateway.nk"), ENV_TLS_CA: "/from/file/ca.pem"}
 
 
 async def test_forged_answers_fail_without_the_worker_role(server: NatsServer, layout: Client, connect: Any) -> None:

@@ -167,7 +167,7 @@ def test_kill_9_worker_loses_nothing(tmp_path: Path, adapters: dict[str, Path], 
 
         async def redeliveries() -> int:
             # Every delivery bumps the consumer sequence; every task the stream sequence once.
-            nc = await nats.connect(c.nats_url)
+            nc = await nats.connect(c.nats_url, **c.client_options("admin"))  # authentication is on
             info = await nc.jetstream().consumer_info(fleet.queue.stream, consumer_name(BASE))
             await nc.drain()
             return info.delivered.consumer_seq - info.delivered.stream_seq

@@ -34,6 +34,11 @@ def test_register_alias_list_download(tmp_path: Path, tiny_adapter: Path, tiny_m
     assert infos[1].metric("test_ndcg@10") == pytest.approx(0.45)
     assert infos[1].tags["test_ndcg_at_10"] == "0.45" and infos[1].tags["base_model"] == "tiny"
     assert infos[1].tags["test_ndcg_gain"] == "0.15"
+    # A short, readable set of tags and the result in one sentence; the rest lives in the bundle.
+    assert set(infos[1].tags) == {"test_ndcg_at_10", "base_test_ndcg_at_10", "test_ndcg_gain", "base_model",
+                                  "dataset_digest", "profile_source", "bundle_sha256", "lorafleet.task"}
+    assert store.client().get_model_version("legal", "2").description == (
+        "test nDCG@10 0.450 vs base 0.300 (+50 %); LoRA on tiny, trained on dataset d1.")
     assert store.get_version("legal", "candidate").version == "2"
     assert store.get_version("legal", "v1").version == "1"
     assert [n for n, _ in store.list_models()] == ["legal"]

@@ -13,11 +13,14 @@ pytestmark = pytest.mark.integration
 def test_study_logs_parent_and_nested_runs(research_yaml: Callable[..., Path], _isolated_home: Path) -> None:
     import mlflow
     import optuna
+    import pandas as pd
 
     from lorafleet import settings
+    from lorafleet.metrics import mlflow_key
     from lorafleet.research.config import load_config
     from lorafleet.research.runner import run_research
     from lorafleet.research.tracking import experiment_name
+    from lorafleet.tasks import get_task_kind
 
     loaded = load_config(research_yaml("study-a"))
     result = run_research(loaded, progress_live=False)
@@ -79,6 +82,26 @@ def test_study_logs_parent_and_nested_runs(research_yaml: Callable[..., Path], _
 
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"optimization_history.png", "param_importances.png", "report.md", "summary.json"} <= artifacts
+
+    # What the MLflow UI shows first (docs/mlflow-ui.md): a model-training experiment with a description and
+    # lorafleet's saved view; runs carry only the kind's headline metrics and their dataset; the rest is a table.
+    exp = client.get_experiment_by_name(experiment_name("study-a"))
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+    assert "study-a" in exp.tags["mlflow.note.content"] and "mlflow.sharedViewState.lorafleet" in exp.tags
+    headline = {mlflow_key(m) for m in get_task_kind("retrieval").metrics.headline_set}
+    for run in [parent, *nested, *reseeds]:
+        assert set(run.data.metrics) <= headline, (run.info.run_name, set(run.data.metrics) - headline)
+        assert [i.dataset.digest for i in run.inputs.dataset_inputs] == [result.dataset_digest[:36]]
+    assert {"dev_ndcg_at_10", "test_ndcg_at_10", "base_test_ndcg_at_10", "bm25_test_ndcg_at_10"} <= set(
+        parent.data.metrics)
+    assert parent.data.metrics["test_ndcg_at_10"] == pytest.approx(result.winner_metrics["test_ndcg@10"])
+
+    def table(run_id: str) -> pd.DataFrame:
+        return pd.read_json(client.download_artifacts(run_id, "metrics_table.json"), orient="split")
+
+    assert {"base_test_mrr@10", "bm25_dev_map@100", "trials_complete"} <= set(table(parent.info.run_id)["name"])
+    names = table(by_number[best.number].info.run_id)["name"]
+    assert "dev_recall@10" in set(names) and not any(names.str.startswith("test_")), "test only for the winner"
     report = Path(result.report_path).read_text()
     assert f"trial #{best.number}" in report and result.verdict in report
 

@@ -67,12 +67,15 @@ def running_gateway(fleet: FleetConfig, nats_url: str | None = None) -> Iterator
         thread.join(timeout=15)
 
 
-async def wait_ready(client: httpx.AsyncClient, timeout: float = 10.0) -> dict[str, Any]:
+async def wait_ready(client: httpx.AsyncClient, timeout: float = 10.0, *, serving: bool = False) -> dict[str, Any]:
+    """Until the gateway is connected and its stream exists; with `serving`, until /readyz says 200 (every base
+    has its consumer and a live worker)."""
     deadline = time.monotonic() + timeout
     while True:
         r = await client.get("/readyz")
-        if r.status_code == 200:
-            return r.json()
+        body = r.json()
+        if r.status_code == 200 or (not serving and body["nats"]["connected"] and body["stream"]["exists"]):
+            return body
         if time.monotonic() > deadline:
             raise AssertionError(f"gateway not ready: {r.status_code} {r.text}")
         await asyncio.sleep(0.05)

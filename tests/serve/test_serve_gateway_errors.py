@@ -109,8 +109,10 @@ async def test_401_403_and_open_probes(nats_server, monkeypatch: pytest.MonkeyPa
             # A valid key gets past auth to the next check (no worker runs here → 503).
             r = await client.post("/v1/embeddings", json=body, headers={"Authorization": "Bearer env-key-2"})
             _error(r, 503, "no_worker")
-            for path in ("/healthz", "/readyz", "/metrics"):
+            for path in ("/healthz", "/metrics"):
                 assert (await client.get(path)).status_code == 200, path
+            ready = await client.get("/readyz")  # open too; 503: nothing can be served without a worker
+            assert ready.status_code == 503 and "url" not in ready.text and nats_server.url not in ready.text
 
 
 async def test_404_lists_served_names_and_models_route(nats_server) -> None:
@@ -162,7 +164,7 @@ async def test_429_when_the_stream_is_full(nats_server) -> None:
             # so the stream (max_msgs=2, discard new) fills up.
             async with scripted_worker(nats_server.url, fleet.queue, consume=False):
                 r = await client.post("/v1/embeddings", json={"model": BASE, "input": ["a", "b", "c"]})
-                _error(r, 429, "queue_full", "maximum messages exceeded", "retry later")
+                _error(r, 429, "queue_full", "maximum messages", "retry later")
                 assert r.headers["Retry-After"] == "1"
                 # The stream holds 2 now: a single input (the one-publish path) is refused too.
                 r = await client.post(f"/v1/encode/{BASE}", content=msgpack.packb({"inputs": ["d"]}))
@@ -242,7 +244,8 @@ def test_module_entry_point_serves_and_stops(nats_server, tmp_path: Path) -> Non
         while True:
             try:
                 r = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1)
-                if r.status_code == 200:
+                if r.json()["stream"]["exists"]:  # up and connected (no worker: 503 until one pulls)
+                    assert r.status_code == 503 and r.json()["bases"]["all-MiniLM-L6-v2"]["workers"] == 0
                     break
             except httpx.TransportError:
                 pass

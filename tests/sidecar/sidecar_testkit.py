@@ -33,17 +33,38 @@ def make_adapter(base_dir: Path, out_dir: Path, seed: int) -> Path:
 def fleet_dict(tiny_model_dir: Path, adapters: dict[str, Path], **worker: Any) -> dict[str, Any]:
     return {
         "bases": [{"name": BASE, "source": str(tiny_model_dir)}],
-        # Served model "tiny-a": its adapter URI comes from this config; tasks for "b" carry theirs.
+        # Served model "tiny-a": its adapter URI comes from this config; tasks for "b" carry theirs, which the
+        # worker accepts because it lies under one of its adapter roots.
         "models": [{"name": "tiny-a", "base": BASE, "adapter": str(adapters["a"]), "adapter_id": "a"}],
-        "worker": {"heartbeat_s": 0.3, "device": "cpu", **worker},
+        "worker": {"heartbeat_s": 0.3, "device": "cpu",
+                   "adapter_roots": sorted({str(p.parent) for p in adapters.values()}), **worker},
         "queue": {"storage": "memory", "ack_wait_s": 5.0, "max_deliver": 3, "nak_delay_s": 0.1},
     }
+
+
+def create_streams(fleet_file: Path, nats_url: str) -> None:
+    """What a gateway or `lorafleet up` does before workers can serve: workers never create the streams."""
+    from lorafleet.config import FleetConfig, load_yaml_model
+    from lorafleet.queue import ensure_fleet_streams
+
+    async def create() -> None:
+        import nats
+
+        nc = await nats.connect(nats_url)
+        try:
+            await ensure_fleet_streams(nc.jetstream(), load_yaml_model(FleetConfig, fleet_file))
+        finally:
+            await nc.close()
+
+    asyncio.run(create())
 
 
 class WorkerProcess:
     """`python -m lorafleet.sidecar` as a child process; ready once its first heartbeat arrives."""
 
-    def __init__(self, fleet_file: Path, nats_url: str, worker_id: str, log_file: Path) -> None:
+    def __init__(self, fleet_file: Path, nats_url: str, worker_id: str, log_file: Path, streams: bool = True) -> None:
+        if streams:
+            create_streams(fleet_file, nats_url)
         self.worker_id = worker_id
         self.nats_url = nats_url
         self.log_file = log_file

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lorafleet.sidecar.acks import ACK_TABLE, REPLY_RESULT, Settle, Situation, decide, is_last_delivery
-from lorafleet.wire import ERR_ADAPTER, ERR_DEADLINE, ERR_MALFORMED, ERR_RUNTIME
+from lorafleet.wire import ERR_ADAPTER, ERR_DEADLINE, ERR_INVALID, ERR_MALFORMED, ERR_RUNTIME
 
 
 def test_table_covers_every_situation_on_both_deliveries() -> None:
@@ -14,11 +14,17 @@ def test_table_covers_every_situation_on_both_deliveries() -> None:
 
 def test_nothing_is_dropped_silently() -> None:
     # A task either gets a reply and leaves the queue, or stays for a retry (nak); term always dead-letters.
-    for (situation, _), action in ACK_TABLE.items():
+    # The only drops without a reply are tasks nobody waits for: their gateway is gone, or it said its
+    # client is (a cancelled generation).
+    nobody_waits = {Situation.ORPHANED, Situation.OWNER_AWAY, Situation.CANCELLED}
+    for (situation, last), action in ACK_TABLE.items():
         if action.settle is Settle.TERM:
             assert action.dead_letter and action.reply is not None, situation
-        if action.settle is Settle.ACK:
+        if action.settle is Settle.ACK and situation not in nobody_waits:
             assert action.reply is not None and not action.dead_letter, situation
+        if situation in nobody_waits:
+            assert action.reply is None and not action.dead_letter, situation
+            assert action.settle is (Settle.ACK if last or situation is not Situation.OWNER_AWAY else Settle.NAK)
 
 
 @pytest.mark.parametrize("delivered", [1, 4, 5, 9])
@@ -27,6 +33,12 @@ def test_success_and_deadline_ack_on_any_delivery(delivered: int) -> None:
     assert decide(Situation.OK, delivered, 5).settle is Settle.ACK
     act = decide(Situation.DEADLINE, delivered, 5)
     assert (act.reply, act.settle, act.dead_letter) == (ERR_DEADLINE, Settle.ACK, False)
+
+
+def test_refused_input_is_answered_and_acked_on_any_delivery() -> None:
+    for delivered in (1, 5):
+        act = decide(Situation.INVALID, delivered, 5)
+        assert (act.reply, act.settle, act.dead_letter) == (ERR_INVALID, Settle.ACK, False)
 
 
 def test_malformed_and_permanent_adapter_failure_term_and_dead_letter_at_once() -> None:

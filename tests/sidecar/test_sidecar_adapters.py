@@ -104,3 +104,38 @@ def test_registered_scheme_resolves(tmp_path: Path) -> None:
     d = adapter_dir(tmp_path)
     register_adapter_scheme("testreg", lambda uri: d if uri == "testreg:/x/1" else tmp_path / "nope")
     assert resolve_adapter_uri("testreg:/x/1") == d.resolve()
+
+
+def test_adapter_policy_is_an_allow_list_that_reveals_nothing(tmp_path: Path) -> None:
+    """Only registry schemes and folders under the roots; every refusal reads the same, whatever exists."""
+    from lorafleet.adapters import AdapterPolicy
+
+    root = tmp_path / "root"
+    root.mkdir()
+    inside = adapter_dir(root)  # root/ad
+    (tmp_path / "other").mkdir()
+    outside = adapter_dir(tmp_path / "other")
+    (root / "out").symlink_to(outside)  # a link inside a root that leads out of it
+    policy = AdapterPolicy([root], schemes=["policyreg"])
+    register_adapter_scheme("policyreg", lambda uri: inside)
+    assert policy.resolve(str(inside)) == inside.resolve()
+    assert policy.resolve(inside.as_uri()) == inside.resolve()
+    assert policy.resolve(str(root / "x" / ".." / "ad")) == inside.resolve()
+    assert policy.resolve("policyreg:/x/1") == inside.resolve()  # verified sources come through their plugin
+
+    refused = [str(outside), str(tmp_path / "missing"), "/etc", str(root / "out"), str(root / ".." / "other" / "ad"),
+               outside.as_uri(), "models:/legal/1", "nosuchscheme:/x", "relative/../../../etc"]
+    messages = set()
+    for uri in refused:
+        with pytest.raises(AdapterUnavailable) as exc:
+            policy.resolve(uri)
+        messages.add(str(exc.value).replace(repr(uri), "URI"))
+    assert messages == {"adapter URI URI is not allowed on this worker: it loads adapters only from policyreg:… "
+                        "references or folders under its adapter roots (worker.adapter_roots)"}
+    with pytest.raises(AdapterUnavailable, match="no usable peft adapter") as missing:
+        policy.resolve(str(root / "missing"))  # under a root: the operator's own folder, still no detail
+    assert "does not exist" not in str(missing.value)
+    long_uri = "/" + "x" * 100_000
+    with pytest.raises(AdapterUnavailable) as exc:
+        policy.resolve(long_uri)
+    assert len(str(exc.value)) < 500

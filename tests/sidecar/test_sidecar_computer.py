@@ -12,7 +12,7 @@ from lorafleet.config import ConfigError, FleetConfig, ServingProfile
 from lorafleet.sidecar.acks import Situation
 from lorafleet.sidecar.adapters import AdapterCache
 from lorafleet.sidecar.batcher import Batch, Pulled
-from lorafleet.sidecar.worker import Computer, FleetLookup, select_bases
+from lorafleet.sidecar.worker import Computer, FleetLookup, adapter_policy, select_bases
 from lorafleet.wire import Task
 
 
@@ -101,7 +101,12 @@ def test_fleet_lookup_uses_served_models(tmp_path: Path) -> None:
     })
     lookup = FleetLookup(fleet)
     assert lookup.uri_for("legal@3", None) == "/adapters/legal"
-    assert lookup.uri_for("legal@3", "/elsewhere") == "/elsewhere"
+    # The worker's own fleet file (and fleet state) wins over what a task claims; unknown ids use the task's URI,
+    # which the adapter policy then checks like any other.
+    assert lookup.uri_for("legal@3", "/elsewhere") == "/adapters/legal"
+    assert lookup.uri_for("other@1", "/elsewhere") == "/elsewhere"
+    policy = adapter_policy(fleet)
+    assert Path("/adapters/legal") in policy.roots and policy.schemes == {"models"}
     assert lookup.profile_for("m", "legal@3").max_batch_items == 4
     assert lookup.profile_for("m", None) == fleet.worker.profile
     assert select_bases(fleet, None) == ["m"]

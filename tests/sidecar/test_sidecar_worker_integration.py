@@ -82,11 +82,16 @@ def make_task(text: str, reply: str, *, adapter: str | None = None, adapter_uri:
 
 
 async def receive(nc: Any, sub: Any, timeout: float) -> Result:
-    """Take one result off the inbox and confirm it, as the gateway does (workers ack after the receipt)."""
+    """Take one result off the inbox and confirm it, as the gateway does (workers ack after the receipt).
+
+    An empty message is a worker's probe (is this task's gateway still here?): confirmed, not a result."""
     msg = await sub.next_msg(timeout=timeout)
-    if msg.reply:
-        await nc.publish(msg.reply, b"")
-    return Result.from_wire(msg.data)
+    while True:
+        if msg.reply:
+            await nc.publish(msg.reply, b"")
+        if msg.data:
+            return Result.from_wire(msg.data)
+        msg = await sub.next_msg(timeout=timeout)
 
 
 async def roundtrip(url: str, tasks: list[Task], raw: list[bytes] = (), timeout: float = 20.0,
@@ -212,13 +217,34 @@ def test_expired_deadline_gets_deadline_error(served: tuple[NatsServer, WorkerPr
     assert results[fresh.id].ok
 
 
-def test_missing_adapter_answers_and_dead_letters(served: tuple[NatsServer, WorkerProcess], tmp_path: Path) -> None:
+def test_missing_adapter_answers_and_dead_letters(served: tuple[NatsServer, WorkerProcess],
+                                                  tiny_adapters: dict[str, Path]) -> None:
     server, _ = served
-    task = make_task("ohne Adapter", reply_to(), adapter="ghost", adapter_uri=str(tmp_path / "nowhere"))
+    ghost = tiny_adapters["a"].parent / "nowhere"  # under the worker's adapter root, but no adapter there
+    task = make_task("ohne Adapter", reply_to(), adapter="ghost", adapter_uri=str(ghost))
     [result] = asyncio.run(roundtrip(server.url, [task]))
-    assert result.error_code == ERR_ADAPTER and "does not exist" in (result.error_message or "")
+    assert result.error_code == ERR_ADAPTER and "no usable peft adapter" in (result.error_message or "")
     time.sleep(0.2)
     assert any(m.data == task.to_wire() for m in asyncio.run(dead_letters(server.url)))
+
+
+def test_adapter_paths_outside_the_roots_are_refused_alike(served: tuple[NatsServer, WorkerProcess],
+                                                          tmp_path: Path) -> None:
+    """A forged task cannot probe the worker's file system: an existing folder, an adapter outside the roots,
+    a missing path, `..` and a foreign scheme all get the same answer, naming the URI only."""
+    server, _ = served
+    real = tmp_path / "elsewhere"
+    real.mkdir()
+    (real / "adapter_config.json").write_text("{}")
+    uris = ["/etc", str(real), str(tmp_path / "missing"), "file:///etc/passwd", "../../../etc", "s3://bucket/x"]
+    tasks = [make_task("x", reply_to(), adapter=f"probe-{i}", adapter_uri=u) for i, u in enumerate(uris)]
+    results = {r.task_id: r for r in asyncio.run(roundtrip(server.url, tasks))}
+    for task, uri in zip(tasks, uris, strict=True):
+        message = results[task.id].error_message or ""
+        assert results[task.id].error_code == ERR_ADAPTER
+        assert message.replace(repr(uri), "URI") == (
+            "adapter URI URI is not allowed on this worker: it loads adapters only from models:… references or "
+            "folders under its adapter roots (worker.adapter_roots)"), message
 
 
 def test_sigterm_drains_in_flight_and_exits_zero(nats_server: NatsServer, start_worker: Any,

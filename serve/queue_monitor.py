@@ -1,0 +1,111 @@
+"""What the gateway knows of the queue: the work stream and each base's consumer, read every `monitor_s`.
+
+Three uses: admission control (the backlog per base), readiness (the stream and every base's
+consumer exist, and someone pulls from a consumer that has tasks waiting) and self-healing (a
+stream that vanished is created again; a gateway may create streams, never reconfigure or delete
+them). A publish that finds no stream asks for a check at once (`trigger`).
+
+The backlog of a base is what its consumer reports (waiting + delivered, not yet acked) at the
+last read, with this gateway's own share replaced by its exact count now, so the estimate follows
+this gateway's publishes between reads and other gateways' at every read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from lorafleet.config import FleetConfig
+from lorafleet.queue import ConsumerState, consumer_state, ensure_fleet_streams, stream_exists
+
+log = logging.getLogger("lorafleet.serve")
+
+
+@dataclass(slots=True)
+class BaseQueue:
+    consumer: ConsumerState
+    others: int  # tasks of other gateways (or orphans) in the backlog at the last read
+    stalled_reads: int = 0  # consecutive reads with tasks waiting, none delivered and nobody pulling
+
+    @property
+    def pulling(self) -> bool:
+        """False once tasks have waited with no pull and nothing delivered, at two reads in a row."""
+        return self.stalled_reads < 2
+
+
+class QueueMonitor:
+    def __init__(self, fleet: FleetConfig, bases: tuple[str, ...], outstanding: Callable[[str], int],
+                 on_recreated: Callable[[], Awaitable[None]] | None = None) -> None:
+        self.fleet = fleet
+        self.bases = bases
+        self.outstanding = outstanding  # this gateway's own unanswered tasks per base (PendingTable)
+        self.on_recreated = on_recreated  # after the streams were created again (the fleet bucket may be gone too)
+        self.stream_exists = False
+        self.read_ok = False  # the last read succeeded (NATS answered)
+        self.queues: dict[str, BaseQueue] = {b: BaseQueue(ConsumerState(False), 0) for b in bases}
+        self.recreated = 0
+        self._trigger = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def backlog(self, base: str) -> int:
+        q = self.queues.get(base)
+        return (q.others if q is not None else 0) + self.outstanding(base)
+
+    def consumer_present(self, base: str) -> bool:
+        q = self.queues.get(base)
+        return bool(self.stream_exists and q is not None and q.consumer.exists)
+
+    def trigger(self) -> None:
+        """Read (and heal) now, not at the next period: a publish found no stream."""
+        self._trigger.set()
+
+    def start(self, js: Any) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(js), name="lorafleet-queue-monitor")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+
+    async def _run(self, js: Any) -> None:
+        while True:
+            try:
+                await self.read(js)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # NATS reconnecting: readiness says so, the next read tries again
+                self.read_ok = False
+                log.debug("reading the queue state failed: %r", exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._trigger.wait(), self.fleet.gateway.monitor_s)
+            self._trigger.clear()
+
+    async def read(self, js: Any) -> None:
+        """One read of the stream and every consumer; creates the streams when the work stream is missing."""
+        queue = self.fleet.queue
+        exists = await stream_exists(js, queue.stream)
+        if not exists:
+            if self.stream_exists or self.recreated == 0:
+                log.warning("work stream %s is missing; creating it", queue.stream)
+            if await ensure_fleet_streams(js, self.fleet, update=False):
+                self.recreated += 1
+                log.info("work stream %s created; workers re-create their consumers", queue.stream)
+                if self.on_recreated is not None:
+                    await self.on_recreated()
+            exists = await stream_exists(js, queue.stream)
+        self.stream_exists = exists
+        states = await asyncio.gather(*(consumer_state(js, queue, b) for b in self.bases)) if exists else \
+            [ConsumerState(False)] * len(self.bases)
+        for base, state in zip(self.bases, states, strict=True):
+            mine = self.outstanding(base)
+            stalled = state.exists and state.pending > 0 and state.ack_pending == 0 and state.waiting_pulls == 0
+            prev = self.queues[base]
+            self.queues[base] = BaseQueue(state, max(state.backlog - mine, 0),
+                                          prev.stalled_reads + 1 if stalled else 0)
+        self.read_ok = True

@@ -1,0 +1,82 @@
+"""The adapters loaded on one engine runtime: resolved and loaded on first use, least recently used evicted.
+
+The async counterpart of `adapters.AdapterCache`, for engine runtimes: sequences run concurrently,
+so a new adapter is loaded once however many tasks ask for it at the same moment (the others await
+that load), an adapter with sequences in flight is never evicted (the cache may then exceed its
+capacity until one finishes), and resolving a URI (a registry download, sha256 checks) runs in a
+thread, never on the event loop. A new version of a bundle has a new adapter id (`NAME@vN`), so a
+promotion loads it beside the old one, with no engine restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+
+from lorafleet.adapters import AdapterUnavailable
+from lorafleet.sidecar.runtime import EngineRuntime
+
+log = logging.getLogger(__name__)
+
+
+class EngineAdapters:
+    def __init__(self, runtime: EngineRuntime, capacity: int, resolve: Callable[[str], Path]) -> None:
+        if capacity < 1:
+            raise ValueError("capacity must be at least 1")
+        self.runtime = runtime
+        self.capacity = capacity
+        self.resolve = resolve
+        self._loaded: OrderedDict[str, int] = OrderedDict()  # adapter id → sequences using it, LRU order
+        self._loading: dict[str, asyncio.Future[None]] = {}
+        self.changed = False  # set on every load and eviction (heartbeats list the loaded adapters)
+
+    def loaded(self) -> list[str]:
+        return list(self._loaded)
+
+    async def acquire(self, adapter_id: str, uri: str | None) -> None:
+        """Make `adapter_id` loaded, most recent and in use; pair with `release`. AdapterUnavailable when it
+        can never load; any other exception is transient."""
+        while adapter_id not in self._loaded:
+            pending = self._loading.get(adapter_id)
+            if pending is not None:
+                await asyncio.shield(pending)  # the loader's error is raised there too
+                continue
+            future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._loading[adapter_id] = future
+            try:
+                await self._load(adapter_id, uri)
+                future.set_result(None)
+            except BaseException as exc:
+                future.set_exception(exc)
+                future.exception()  # retrieved: waiters re-raise it, nobody logs "never retrieved"
+                raise
+            finally:
+                del self._loading[adapter_id]
+        self._loaded[adapter_id] += 1
+        self._loaded.move_to_end(adapter_id)
+
+    def release(self, adapter_id: str) -> None:
+        if adapter_id in self._loaded:
+            self._loaded[adapter_id] = max(self._loaded[adapter_id] - 1, 0)
+
+    def reset(self) -> None:
+        """The engine restarted and forgot every adapter."""
+        self._loaded.clear()
+        self.changed = True
+
+    async def _load(self, adapter_id: str, uri: str | None) -> None:
+        if not uri:
+            raise AdapterUnavailable(f"adapter {adapter_id!r} has no URI (neither in the task nor in the fleet config)")
+        path = await asyncio.to_thread(self.resolve, uri)
+        for victim in [a for a, users in self._loaded.items() if users == 0][: max(len(self._loaded) + 1
+                                                                                   - self.capacity, 0)]:
+            log.info("evicting adapter %s (LRU, capacity %d)", victim, self.capacity)
+            del self._loaded[victim]
+            self.changed = True
+            await self.runtime.unload_adapter(victim)
+        await self.runtime.load_adapter(adapter_id, str(path))
+        self._loaded[adapter_id] = 0
+        self.changed = True

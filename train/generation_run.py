@@ -1,0 +1,234 @@
+"""One full headings run: dataset, baselines (base model, lead), LoRA training, evaluation, metrics.json, report.md.
+
+MLflow, the CLI and research wire these functions in from outside; nothing here logs to MLflow.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lorafleet import settings
+from lorafleet.device import resolve_device
+from lorafleet.metrics import prefixed
+from lorafleet.tasks import TrainResult
+from lorafleet.train import tracking
+from lorafleet.train.byo_generation import GenerationDatasetData, build_byo_generation
+from lorafleet.train.causal_lm import describe_base, load_causal_adapter, load_causal_base, load_causal_tokenizer
+from lorafleet.train.generation import GenerationTrainConfig, evaluate_split, train_generation
+from lorafleet.train.generation_eval import (
+    TEXT_METRICS,
+    examples_table,
+    fit_lead_length,
+    lead_baseline,
+    text_metrics,
+)
+from lorafleet.train.headings import HeadingsDataConfig, HeadingsDataset, build_headings
+from lorafleet.train.trainer import CostMeter
+
+log = logging.getLogger("lorafleet.train")
+
+LEAD = "lead"  # prefix of the non-learned baseline's metrics
+TASK = "generation"
+
+
+@dataclass
+class Baselines:
+    """`base_*` and `lead_*` metrics on dev and test, their predictions, and the lead's length in words."""
+
+    metrics: dict[str, float]
+    predictions: dict[str, dict[str, list[str]]] = field(default_factory=dict)  # "base"/"lead" → split → answers
+    lead_words: int = 0
+
+
+def build_generation_dataset(cfg: GenerationTrainConfig, *, data_root: Path | None = None,
+                             tokenizer: Any = None) -> HeadingsDataset:
+    """The headings dataset, inputs cut with the base model's own tokenizer."""
+    tok = tokenizer if tokenizer is not None else load_causal_tokenizer(cfg.base_model, cfg.chat_template)
+    if isinstance(cfg.data, GenerationDatasetData):
+        return build_byo_generation(cfg.data, tok)
+    return build_headings(cfg.data, tok, data_root=data_root)
+
+
+def generation_baselines(cfg: GenerationTrainConfig, dataset: HeadingsDataset,
+                         splits: tuple[str, ...] = ("dev", "test")) -> Baselines:
+    """The lead baseline and the base model, decoded like the LoRA, on `splits`."""
+    train = dataset.examples["train"]
+    n = fit_lead_length([ex.input for ex in train], [ex.heading for ex in train])
+    out = Baselines(metrics={}, predictions={"lead": {}, "base": {}}, lead_words=n)
+    for split in splits:
+        answers = lead_baseline([ex.input for ex in dataset.examples[split]], n)
+        out.predictions["lead"][split] = answers
+        out.metrics.update(prefixed(text_metrics(answers, dataset.references(split), split), LEAD))
+    t0 = time.perf_counter()
+    model, tokenizer = load_causal_base(cfg.base_model, resolve_device(cfg.device), cfg.dtype,
+                                        chat_template=cfg.chat_template)
+    for split in splits:
+        m, out.predictions["base"][split] = evaluate_split(cfg, model, tokenizer, dataset, split, f"{split}, base")
+        out.metrics.update(prefixed(m, "base"))
+    log.info("baselines: lead (%d words) test_chrf %.2f, base test_chrf %.2f (%.0f s)", n,
+             out.metrics.get("lead_test_chrf", float("nan")), out.metrics.get("base_test_chrf", float("nan")),
+             time.perf_counter() - t0)
+    return out
+
+
+def evaluate_generation_adapter(cfg: GenerationTrainConfig, dataset: HeadingsDataset, adapter_dir: Path,
+                                split: str) -> dict[str, float]:
+    """The adapter's metrics on `split`, named `{split}_{metric}` (no prefix)."""
+    model, tokenizer = load_causal_adapter(cfg.base_model, adapter_dir, resolve_device(cfg.device), cfg.dtype,
+                                           chat_template=cfg.chat_template)
+    return evaluate_split(cfg, model, tokenizer, dataset, split, f"{split}, LoRA")[0]
+
+
+def bundle_details(cfg: GenerationTrainConfig) -> dict[str, Any]:
+    """What serving needs besides the adapter to pose the same task: the base, its chat template, the
+    system prompt, the input budget and the decoding settings (greedy, first line of the answer)."""
+    tokenizer = load_causal_tokenizer(cfg.base_model, cfg.chat_template)
+    return {
+        "base": describe_base(cfg.base_model),
+        "chat_template": tokenizer.chat_template,
+        "system_prompt": cfg.data.system_prompt,
+        "input_max_tokens": cfg.data.input_max_tokens,
+        "max_new_tokens": cfg.max_new_tokens,
+        "decoding": "greedy; the answer is the first non-empty line",
+    }
+
+
+def relative_lift(metrics: dict[str, float], split: str = "test", metric: str = "chrf", ref: str = "base") -> float:
+    base = metrics.get(f"{ref}_{split}_{metric}", 0.0)
+    return (metrics[f"{split}_{metric}"] - base) / base if base > 0 else float("nan")
+
+
+def example_rows(dataset: HeadingsDataset, baselines: Baselines, lora: list[str], split: str = "test",
+                 n: int = 10) -> list[dict[str, str]]:
+    """`n` seeded-random examples of `split`: section, truth, lead, base, LoRA."""
+    exs = dataset.examples[split]
+    idx = sorted(random.Random(f"{dataset.settings['seed']}:examples").sample(range(len(exs)), min(n, len(exs))))
+    return [{"section": exs[i].id, "truth": exs[i].heading, "lead": baselines.predictions["lead"][split][i],
+             "base": baselines.predictions["base"][split][i], "LoRA": lora[i]} for i in idx]
+
+
+def write_generation_report(path: Path, cfg: GenerationTrainConfig, dataset: HeadingsDataset,
+                            result: TrainResult, baselines: Baselines) -> Path:
+    m, c = result.metrics, result.cost
+    base = result.extras.get("base", {})
+    lines = [
+        "# Headings LoRA report",
+        "",
+        f"- base model: `{cfg.base_model}`" + (f" (GGUF `{base['gguf_file']}`, {base.get('quantization')}, "
+                                               f"dequantised; sha256 `{base['gguf_sha256'][:16]}…`)"
+                                               if "gguf_file" in base else "") + f", device {result.extras['device']}",
+        (f"- laws: {', '.join(cfg.data.laws)}; " if isinstance(cfg.data, HeadingsDataConfig) else
+         f"- your data, layout `{cfg.data.layout}`: `{cfg.data.rows.label()}`; ")
+        + f"input ≤ {cfg.data.input_max_tokens} tokens; "
+        f"max_new_tokens {cfg.max_new_tokens}",
+        f"- dataset digest: `{dataset.digest}`",
+        "- dataset: " + ", ".join(f"{k} {v}" for k, v in dataset.summary().items()),
+        f"- LoRA r={cfg.lora.r} alpha={cfg.lora.alpha} dropout={cfg.lora.dropout} targets={cfg.lora.target_modules}; "
+        f"lr {cfg.learning_rate}, epochs {cfg.epochs}, batch {cfg.batch_size}×{cfg.gradient_accumulation_steps}, "
+        f"packing {cfg.packing}; {int(m.get('trainable_params', 0)):,} trainable parameters, "
+        f"adapter {m.get('adapter_size_mb', float('nan')):.1f} MB",
+        f"- lead baseline: the section's first {baselines.lead_words} words (the length with the best chrF on the "
+        "training split)",
+        "",
+        "Greedy decoding; the answer is the first line of the output. chrF: sacrebleu corpus chrF (0–100); "
+        "ROUGE-L: mean F1 over casefolded words; exact match after casefolding and trimming punctuation.",
+        "",
+    ]
+    for split in ("dev", "test"):
+        lines += [f"## {split}", "", "| metric | lead | base | LoRA | LoRA vs base |", "|---|---|---|---|---|"]
+        for name in TEXT_METRICS:
+            key = f"{split}_{name}"
+            if key in m:
+                b = m.get(f"base_{key}", float("nan"))
+                lift = (m[key] - b) / b * 100 if b else float("nan")
+                lines.append(f"| {name} | {m.get(f'{LEAD}_{key}', float('nan')):.4f} | {b:.4f} | {m[key]:.4f} | "
+                             f"{lift:+.1f} % |")
+        lines.append("")
+    preds = result.extras.get("predictions", {})
+    if "test" in preds:
+        rows = example_rows(dataset, baselines, preds["test"])
+        lines += ["## Examples (test)", "", examples_table(rows, ["section", "truth", "lead", "base", "LoRA"]), ""]
+    lines += ["## Epochs", "", "| epoch | train loss | dev chrF | dev ROUGE-L | dev exact match |",
+              "|---|---|---|---|---|"]
+    lines += [f"| {int(e['epoch'])} | {e['train_loss']:.4f} | {e.get('dev_chrf', float('nan')):.2f} | "
+              f"{e.get('dev_rouge_l', float('nan')):.4f} | {e.get('dev_exact_match', float('nan')):.4f} |"
+              for e in result.epochs]
+    lines += ["", "## Cost", "",
+              f"wall {c['wall_s']:.0f} s, CPU {c['cpu_s']:.0f} s, peak RSS {c['peak_rss_mb']:.0f} MB, "
+              f"≈ ${c['usd']:.4f} at ${cfg.price_per_hour_usd}/h; training {m.get('train_s', 0):.0f} s at "
+              f"{m.get('train_tokens_per_s', 0):.0f} tokens/s ({int(m.get('torch_threads', 0))} torch threads)", ""]
+    path.write_text("\n".join(lines))
+    return path
+
+
+def run_generation_train(cfg: GenerationTrainConfig, out_dir: Path | None = None, *, log_mlflow: bool = False,
+                         run_name: str | None = None) -> TrainResult:
+    """Dataset → baselines → LoRA → evaluation; writes train_config.yaml, metrics.json, predictions.jsonl, report.md.
+
+    With `log_mlflow`, the run is tracked like a retrieval run (experiment `lorafleet-train`, or a child of the
+    active run): config, dataset input, baselines, the objective per epoch, the result and its artifacts.
+    """
+    meter = CostMeter(cfg.price_per_hour_usd)
+    out = Path(out_dir) if out_dir is not None else settings.home() / "runs" / time.strftime("headings-%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "train_config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False,
+                                                          allow_unicode=True))
+    t0 = time.perf_counter()
+    dataset = build_generation_dataset(cfg)
+    log.info("dataset %s: %s (%.0f s)", dataset.digest[:12], dataset.summary(), time.perf_counter() - t0)
+    stages: dict[str, float] = {"dataset_s": round(time.perf_counter() - t0, 2)}
+    with tracking.train_run(run_name, enabled=log_mlflow) as run:
+        if run is not None:
+            tracking.log_config(cfg, TASK)
+            tracking.log_dataset(dataset.to_frame(), tracking.dataset_name(TASK, dataset), dataset.digest,
+                                 dataset.summary())
+        t0 = time.perf_counter()
+        baselines = generation_baselines(cfg, dataset)
+        stages["baselines_s"] = round(time.perf_counter() - t0, 2)
+        if run is not None:
+            tracking.log_headline(baselines.metrics, TASK)
+
+        def on_epoch(epoch: int, dev: dict[str, float]) -> None:
+            if run is not None:
+                tracking.log_epoch(epoch, dev, TASK)
+
+        result = train_generation(cfg, dataset, out, on_epoch=on_epoch)
+        stages["train_and_eval_s"] = result.cost["wall_s"]
+        result.metrics.update(baselines.metrics)
+        for split in ("dev", "test"):
+            result.metrics[f"{split}_chrf_lift"] = relative_lift(result.metrics, split)
+        result.extras.update(train_cost=result.cost, stages=stages, lead_words=baselines.lead_words)
+        result.cost = meter.read()
+        test_preds = result.extras["predictions"]["test"]
+        with (out / "predictions.jsonl").open("w") as f:
+            for i, ex in enumerate(dataset.examples["test"]):
+                f.write(json.dumps({"id": ex.id, "truth": ex.heading, "lead": baselines.predictions["lead"]["test"][i],
+                                    "base": baselines.predictions["base"]["test"][i], "lora": test_preds[i]},
+                                   ensure_ascii=False) + "\n")
+        result.report_path = write_generation_report(out / "report.md", cfg, dataset, result, baselines)
+        (out / "metrics.json").write_text(json.dumps({
+            "metrics": result.metrics, "epochs": result.epochs, "cost": result.cost,
+            "train_cost": result.extras["train_cost"], "stages": stages, "dataset_digest": dataset.digest,
+            "dataset": dataset.summary(),
+            "base": result.extras.get("base") or describe_base(cfg.base_model), "lead_words": baselines.lead_words,
+        }, indent=2, sort_keys=True))
+        if run is not None:
+            tracking.log_result(run, result, out, live_epochs=True, task=TASK)
+    log.info("done: test_chrf %.2f (base %.2f, lead %.2f, lift %+.1f %%) in %.0f s → %s", result.metrics["test_chrf"],
+             result.metrics["base_test_chrf"], result.metrics["lead_test_chrf"],
+             100 * result.metrics["test_chrf_lift"], result.cost["wall_s"], out)
+    return result
+
+
+__all__ = [
+    "LEAD", "Baselines", "build_generation_dataset", "bundle_details", "evaluate_generation_adapter", "example_rows",
+    "generation_baselines", "relative_lift", "run_generation_train", "write_generation_report",
+]

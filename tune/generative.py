@@ -1,0 +1,318 @@
+"""`lorafleet tune` for a generative specialist: sweep the engine options of its base on a private cluster.
+
+An engine batches continuously, so the embedding sweep's knobs (batch items, wait window) do not
+apply; what decides its throughput and latency are the engine's options, swept here in the same
+staged, coordinate-wise way (see sweep.py for why a staged grid and not a sampler): `max_num_seqs`
+ascending until output tokens/s plateau, then `max_num_batched_tokens`, the KV-cache space (CPU) or
+GPU memory share (CUDA), and the worker's slot target (sequences it keeps in flight, as a share of
+`max_num_seqs`) around the best so far. Every profile restarts only the worker (a new engine: ~30 s on
+a CPU). Each is measured with streaming requests to the adapter (greedy, `max_tokens` each), closed
+loop at each concurrency: output tokens/s (the best), time to first token p50/p99 and inter-token
+latency at the highest concurrency, peak memory of the worker with its engine. The recommendation is
+the highest throughput whose TTFT p99 meets the objective (and the memory limit).
+
+The engine's options belong to its base (one engine serves every adapter of a base), so the result
+is a set of `bases[].options` for the fleet file (profile.yaml), not a bundle's batching profile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import json
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from lorafleet import settings
+from lorafleet.cluster import ClusterError, LocalCluster
+from lorafleet.config import BaseModelSpec, FleetConfig, GatewayConfig, ServedModel, ServingProfile, WorkerConfig
+from lorafleet.nats_server import free_port
+from lorafleet.tune.analysis import plateaued
+from lorafleet.tune.config import GenerativeTuneConfig, TuneError
+from lorafleet.tune.probe import SERVED_NAME, PeakMemory, load_texts
+from lorafleet.tune.report import machine
+from lorafleet.tune.source import TuneSource
+from lorafleet.tune.streamload import StreamResult, stream_closed_loop
+
+Say = Callable[[str], None]
+Options = dict[str, Any]
+
+
+@dataclass
+class GenerativeResult:
+    options: Options
+    phase: str
+    tokens_per_s: float  # best over the concurrencies
+    ttft_p50_ms: float | None  # at the highest concurrency
+    ttft_p99_ms: float | None
+    itl_p50_ms: float | None
+    itl_p99_ms: float | None
+    peak_rss_mb: float
+    errors: int = 0
+    restart_s: float = 0.0
+    points: list[dict[str, Any]] = field(default_factory=list)
+    recommended: bool = False
+
+    def key(self) -> tuple[Any, ...]:
+        return tuple(sorted(self.options.items()))
+
+    def row(self) -> dict[str, Any]:
+        return {"phase": self.phase, **self.options, "output_tokens_per_s": round(self.tokens_per_s, 2),
+                "ttft_p50_ms": self.ttft_p50_ms, "ttft_p99_ms": self.ttft_p99_ms, "itl_p50_ms": self.itl_p50_ms,
+                "itl_p99_ms": self.itl_p99_ms, "peak_rss_mb": round(self.peak_rss_mb, 1), "errors": self.errors,
+                "restart_s": round(self.restart_s, 1), "recommended": self.recommended}
+
+
+@dataclass
+class GenerativeTuneResult:
+    out_dir: Path
+    options: Options  # recommended engine options for the base
+    meets_slo: bool
+    reason: str
+    results: list[GenerativeResult]
+    baseline_tokens_per_s: float
+    wall_s: float
+    files: dict[str, Path] = field(default_factory=dict)
+    profile: ServingProfile = field(default_factory=ServingProfile)  # a bundle's own profile: unchanged
+
+    @property
+    def recommended(self) -> GenerativeResult:
+        return next(r for r in self.results if r.recommended)
+
+
+def is_generative(source: TuneSource) -> bool:
+    """Whether an adapter belongs to a causal LM (peft's task type), so the generative sweep applies."""
+    try:
+        config = json.loads((source.adapter_dir / "adapter_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return config.get("task_type") == "CAUSAL_LM"
+
+
+def recommend(results: list[GenerativeResult], slo_ms: float, memory_mb: float | None
+              ) -> tuple[GenerativeResult, bool, str] | None:
+    """Highest output tokens/s with TTFT p99 within the objective (and memory); else the lowest TTFT p99."""
+    valid = [r for r in results if r.errors == 0 and r.ttft_p99_ms is not None]
+    if not valid:
+        return None
+    fits = [r for r in valid if r.ttft_p99_ms <= slo_ms and (memory_mb is None or r.peak_rss_mb <= memory_mb)]  # type: ignore[operator]
+    if fits:
+        return max(fits, key=lambda r: r.tokens_per_s), True, f"highest output tokens/s with TTFT p99 ≤ {slo_ms:g} ms"
+    best = min(valid, key=lambda r: r.ttft_p99_ms)  # type: ignore[arg-type, return-value]
+    return best, False, f"no profile met TTFT p99 ≤ {slo_ms:g} ms; this one has the lowest"
+
+
+class GenerativeSweeper:
+    def __init__(self, source: TuneSource, cfg: GenerativeTuneConfig, work_dir: Path, say: Say) -> None:
+        self.source, self.cfg, self.work_dir, self.say = source, cfg, work_dir, say
+        self.cluster: LocalCluster | None = None
+        self.texts = [f"Write a short heading for this sentence: {t}" for t in load_texts(seed=cfg.seed)]
+        try:
+            rank = int(json.loads((source.adapter_dir / "adapter_config.json").read_text()).get("r", 16))
+        except (OSError, ValueError, TypeError):
+            rank = 16
+        self.fixed: Options = {"max_model_len": cfg.max_model_len, "max_loras": 1, "max_lora_rank": max(rank, 8)}
+
+    def fleet(self, options: Options) -> FleetConfig:
+        base = self.source.base_name
+        return FleetConfig(
+            bases=[BaseModelSpec(name=base, source=self.source.base_source, revision=self.source.base_revision,
+                                 runtime="vllm", options={**self.fixed, **options})],
+            models=[ServedModel(name=SERVED_NAME, base=base, adapter=str(self.source.adapter_dir),
+                                adapter_id=f"{SERVED_NAME}-adapter")],
+            gateway=GatewayConfig(port=0, default_deadline_s=300.0, max_deadline_s=600.0, admit_fraction=None),
+            worker=WorkerConfig(device=self.cfg.device),
+        )
+
+    def start(self, options: Options) -> None:
+        self.cluster = LocalCluster(self.fleet(options), workers=1, port=0, home=self.work_dir / "cluster",
+                                    nats_port=free_port())
+        try:
+            self.cluster.start(timeout=600)
+        except ClusterError as exc:
+            raise TuneError(f"the tuning cluster did not start: {exc}") from exc
+        self._wait_serving(300)
+
+    def apply(self, options: Options) -> float:
+        assert self.cluster is not None
+        t0 = time.monotonic()
+        self.cluster.restart_worker("worker-1", self.fleet(options))
+        self.cluster.wait_ready(timeout=600)
+        self._wait_serving(300)
+        return time.monotonic() - t0
+
+    def stop(self) -> None:
+        if self.cluster is not None:
+            self.cluster.stop()
+            self.cluster = None
+
+    def _body(self, i: int) -> dict[str, Any]:
+        return {"model": SERVED_NAME, "messages": [{"role": "user", "content": self.texts[i % len(self.texts)]}],
+                "max_tokens": self.cfg.max_tokens, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}
+
+    def _wait_serving(self, timeout: float) -> None:
+        assert self.cluster is not None
+        body = {**self._body(0), "stream": False, "max_tokens": 2}
+        body.pop("stream_options")
+        deadline, last = time.monotonic() + timeout, ""
+        while time.monotonic() < deadline:
+            try:
+                r = httpx.post(f"{self.cluster.gateway_url}/v1/chat/completions", json=body, timeout=60)
+                if r.status_code == 200:
+                    return
+                last = f"HTTP {r.status_code}: {r.text[:200]}"
+            except httpx.HTTPError as exc:
+                last = str(exc)
+            time.sleep(0.5)
+        raise TuneError(f"the tuning worker did not serve the adapter within {timeout:.0f}s ({last})")
+
+    def measure(self, options: Options, phase: str, restart_s: float) -> GenerativeResult:
+        assert self.cluster is not None
+        host, port = self.cluster.gateway_url.removeprefix("http://").split(":")
+        cfg = self.cfg
+        top = max(cfg.concurrencies)
+        points: list[StreamResult] = []
+        with PeakMemory(self.cluster.pid("worker-1")) as mem:
+            if cfg.warmup_s:
+                asyncio.run(stream_closed_loop(host, int(port), "/v1/chat/completions", self._body, top, cfg.warmup_s))
+            for c in cfg.concurrencies:
+                points.append(asyncio.run(stream_closed_loop(host, int(port), "/v1/chat/completions", self._body, c,
+                                                             cfg.point_s)))
+        last = next(p for p in points if p.level == top).summary()
+        return GenerativeResult(options=options, phase=phase, tokens_per_s=max(p.tokens_per_s for p in points),
+                                ttft_p50_ms=last["ttft_p50_ms"], ttft_p99_ms=last["ttft_p99_ms"],
+                                itl_p50_ms=last["itl_p50_ms"], itl_p99_ms=last["itl_p99_ms"],
+                                peak_rss_mb=mem.peak_rss / 2**20, errors=sum(p.errors for p in points),
+                                restart_s=restart_s, points=[p.summary() for p in points])
+
+
+def run_generative_tune(source: TuneSource, cfg: GenerativeTuneConfig | None = None, out_dir: Path | None = None,
+                        say: Say | None = None) -> GenerativeTuneResult:
+    cfg = cfg or GenerativeTuneConfig()
+    say = say or (lambda text: print(text, file=sys.stderr, flush=True))
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out_dir = Path(out_dir) if out_dir else settings.home() / "tune" / f"{source.label}-{stamp}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work = out_dir / ".work"
+    t0 = time.monotonic()
+    from lorafleet.device import resolve_device
+
+    cuda = resolve_device(cfg.device).startswith("cuda")
+    default: Options = {"max_num_seqs": 32}
+    sweeper = GenerativeSweeper(source, cfg, work, say)
+    results: list[GenerativeResult] = []
+    memory_mb = cfg.memory_gb * 1024 if cfg.memory_gb else None
+    say(f"tune (generative): {source.label} on {source.base_name}; TTFT p99 ≤ {cfg.slo_ttft_p99_ms:g} ms; "
+        f"budget {cfg.budget_s:.0f}s; each profile restarts the engine")
+
+    def run_one(options: Options, phase: str, first: bool = False) -> GenerativeResult | None:
+        options = {k: v for k, v in options.items() if v is not None}
+        key = tuple(sorted(options.items()))
+        if any(r.key() == key for r in results):
+            return next(r for r in results if r.key() == key)
+        if not first and (len(results) >= cfg.max_profiles or time.monotonic() - t0 > cfg.budget_s):
+            return None
+        restart = 0.0 if first else sweeper.apply(options)
+        r = sweeper.measure(options, phase, restart)
+        results.append(r)
+        say(f"  [{len(results):>2}] {options}: {r.tokens_per_s:6.1f} tok/s, TTFT p50 {r.ttft_p50_ms} p99 "
+            f"{r.ttft_p99_ms} ms, ITL p50 {r.itl_p50_ms} ms, RSS {r.peak_rss_mb:.0f} MB"
+            + (f", {r.errors} errors" if r.errors else "") + f"  ({time.monotonic() - t0:.0f}s)")
+        return r
+
+    def centre() -> Options:
+        fit = recommend(results, cfg.slo_ttft_p99_ms, memory_mb)
+        return dict(fit[0].options) if fit else dict(default)
+
+    ok = False
+    try:
+        say("  starting a private cluster (nats-server, gateway, one worker with a vLLM engine)…")
+        sweeper.start(default)
+        run_one(default, "baseline", first=True)
+        history: list[float] = []
+        for seqs in cfg.seqs_grid:
+            r = run_one({**default, "max_num_seqs": seqs}, "seqs")
+            if r is None:
+                break
+            history.append(r.tokens_per_s)
+            if plateaued(history, cfg.plateau_gain, 1):
+                break
+        for tokens in cfg.batched_tokens_grid:
+            run_one({**centre(), "max_num_batched_tokens": tokens}, "batched_tokens")
+        for memory in (cfg.gpu_memory_grid if cuda else cfg.kv_cache_gib_grid):
+            run_one({**centre(), ("gpu_memory_utilization" if cuda else "kv_cache_gib"): memory}, "memory")
+        for share in cfg.slots_grid:
+            c = centre()
+            run_one({**c, "slots": max(1, round(share * c["max_num_seqs"]))}, "slots")
+        ok = True
+    finally:
+        sweeper.stop()
+        if ok:
+            shutil.rmtree(work, ignore_errors=True)
+    picked = recommend(results, cfg.slo_ttft_p99_ms, memory_mb)
+    if picked is None:
+        raise TuneError(f"no profile could be measured without errors; see the logs under {work / 'cluster' / 'logs'}")
+    best, meets, reason = picked
+    best.recommended = True
+    result = GenerativeTuneResult(out_dir, {**sweeper.fixed, **best.options}, meets, reason, results,
+                                  results[0].tokens_per_s, time.monotonic() - t0)
+    result.files = write_generative_outputs(result, cfg, source)
+    say(f"recommended options for base {source.base_name}: {result.options} — {reason}: {best.tokens_per_s:.1f} "
+        f"tok/s, TTFT p99 {best.ttft_p99_ms} ms; outputs in {out_dir} ({result.wall_s:.0f}s)")
+    return result
+
+
+def write_generative_outputs(result: GenerativeTuneResult, cfg: GenerativeTuneConfig, source: TuneSource
+                             ) -> dict[str, Path]:
+    out = result.out_dir
+    files = {"profile": out / "profile.yaml", "csv": out / "results.csv", "json": out / "results.json",
+             "plot": out / "tokens_ttft.png"}
+    best = result.recommended
+    when = time.strftime("%Y-%m-%d %H:%M")
+    header = (f"# lorafleet tune (generative): {source.label} on {source.base_name}, {when}\n"
+              f"# {result.reason}: {best.tokens_per_s:.1f} output tok/s, TTFT p99 {best.ttft_p99_ms} ms at "
+              f"concurrency {max(cfg.concurrencies)}\n# engine options of the base: put them under bases[].options "
+              "(runtime: vllm) in the fleet file\n")
+    files["profile"].write_text(header + yaml.safe_dump({"runtime": "vllm", "options": result.options},
+                                                        sort_keys=False))
+    rows = [r.row() for r in result.results]
+    fields = list(dict.fromkeys(k for row in rows for k in row))
+    with open(files["csv"], "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    files["json"].write_text(json.dumps({
+        "source": {"label": source.label, "adapter_dir": str(source.adapter_dir), "base": source.base_name,
+                   "base_source": source.base_source},
+        "config": cfg.model_dump(mode="json"), "machine": machine(), "recommended": {
+            "options": result.options, "meets_slo": result.meets_slo, "reason": result.reason, **best.row()},
+        "baseline_tokens_per_s": round(result.baseline_tokens_per_s, 2),
+        "profiles": [{**r.row(), "points": r.points} for r in result.results], "wall_s": round(result.wall_s, 1),
+    }, indent=2))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    for r in result.results:
+        if r.ttft_p99_ms is not None:
+            ax.scatter(r.ttft_p99_ms, r.tokens_per_s, color="tab:red" if r.recommended else "tab:blue")
+            ax.annotate(f"seqs {r.options.get('max_num_seqs')}", (r.ttft_p99_ms, r.tokens_per_s), fontsize=7)
+    ax.axvline(cfg.slo_ttft_p99_ms, color="grey", linestyle="--", label="TTFT p99 objective")
+    ax.set_xlabel(f"TTFT p99 (ms) at concurrency {max(cfg.concurrencies)}")
+    ax.set_ylabel("output tokens/s")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(files["plot"], dpi=110)
+    plt.close(fig)
+    return files
