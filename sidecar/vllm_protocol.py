@@ -1,4 +1,4 @@
-"""What `VllmEngine` speaks: requests, stream items, errors, and the OpenAI-compatible wire format.
+"""What `VllmEngine` speaks: its start settings (`EngineConfig`), requests, stream items, errors, wire format.
 
 Pure logic (no I/O), so it is tested without vLLM installed.
 
@@ -14,7 +14,8 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 __all__ = [
     "EngineDied",
@@ -178,3 +179,31 @@ def parse_metrics(text: str) -> dict[str, float]:
                 key = f"requests_{sample.labels.get('finished_reason', 'unknown')}_total"
                 out[key] = out.get(key, 0.0) + sample.value
     return out
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to start the engine. `model` is a local directory (nothing is downloaded)."""
+
+    model: str
+    served_name: str = "base"
+    venv: Path | None = None  # default: the verified venv of vllm_install
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: str = "bfloat16"
+    max_model_len: int = 2048
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int | None = None
+    enable_lora: bool = True
+    max_loras: int = 4  # adapters in one batch
+    max_cpu_loras: int | None = None  # adapters cached in host memory (vLLM default: max_loras)
+    max_lora_rank: int = 16
+    kv_cache_gib: int = 1  # CPU: VLLM_CPU_KVCACHE_SPACE; CUDA: --kv-cache-memory-bytes when set
+    gpu_memory_utilization: float = 0.85  # CUDA, when kv_cache_gib is 0
+    omp_threads_bind: str | None = None  # CPU: VLLM_CPU_OMP_THREADS_BIND ("auto", "nobind", "0-1")
+    log_requests: bool = False  # --enable-log-requests: one line per request, "Request <id> aborted." on cancel
+    enforce_eager: bool = False
+    seed: int = 0
+    transport: Literal["uds", "tcp"] = "uds"
+    log_path: Path | None = None  # default: engine.log in the private run dir (removed at stop)
+    extra_args: tuple[str, ...] = ()
+    extra_env: Mapping[str, str] = field(default_factory=dict)

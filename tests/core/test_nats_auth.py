@@ -361,6 +361,7 @@ async def test_the_fleet_watcher_runs_on_reader_credentials(server: NatsServer, 
 
 # ---- gateway --------------------------------------------------------------------------------------
 
+@pytest.mark.flaky(reruns=2)  # timing against a real nats-server on a shared 2-core box; a real defect fails every run
 async def test_gateway_publishes_work_and_cannot_answer_read_or_destroy(server: NatsServer, layout: Client,
                                                                         connect: Any) -> None:
     gateway, errors = await connect("gateway")

@@ -204,6 +204,7 @@ def _engine_logs(cluster: LocalCluster) -> str:
     return "".join(p.read_text(errors="replace") for p in (cluster.home / "logs").glob("vllm-*.log"))
 
 
+@pytest.mark.flaky(reruns=2)  # timing against a real engine on a shared 2-core box; a real defect fails every run
 def test_client_going_away_aborts_the_sequence_in_the_engine(cluster: LocalCluster) -> None:
     before = _engine_logs(cluster).lower().count("aborted")
     with httpx.stream("POST", f"{cluster.gateway_url}/v1/completions", timeout=60,

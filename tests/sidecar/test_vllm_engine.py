@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -271,7 +272,7 @@ async def test_concurrent_streams_all_finish(engine: VllmEngine, reference: dict
 
 
 async def _wait_idle(engine: VllmEngine) -> dict[str, float]:
-    for _ in range(100):
+    for _ in range(300):  # aborted sequences leave at the next engine step; a busy box makes steps slow
         stats = await engine.stats()
         if stats["running"] == 0 and stats["waiting"] == 0:
             return stats
@@ -282,6 +283,7 @@ async def _wait_idle(engine: VllmEngine) -> dict[str, float]:
 FILLERS = 4  # other long sequences: they slow every step, so the stream is cancelled well before its end
 
 
+@pytest.mark.flaky(reruns=2)  # timing against a real engine on a shared 2-core box; a real defect fails every run
 @pytest.mark.parametrize("how", ["aclose", "cancel"])
 async def test_cancelled_stream_stops_generation_in_the_engine(engine: VllmEngine, how: str) -> None:
     # On a busy 2-core machine the tiny model's whole budget took less time than the API server needed to
@@ -330,8 +332,14 @@ async def test_cancelled_stream_stops_generation_in_the_engine(engine: VllmEngin
     assert generated < budget * (FILLERS + 1), "the engine generated every budget: nothing was aborted"
     assert later["generation_tokens_total"] == after["generation_tokens_total"]
     # vllm 0.32 does not count aborts in vllm:request_success_total{finished_reason="abort"}; its log says it.
-    log = engine.log_tail(400)
-    assert any(rid in line and "abort" in line.lower() for line in log.splitlines()), log[-2000:]
+    # The engine writes that line from its own process: poll its log for a while rather than read it once.
+    deadline = time.monotonic() + 15
+    while True:
+        log = engine.log_tail(400)
+        if any(rid in line and "abort" in line.lower() for line in log.splitlines()):
+            break
+        assert time.monotonic() < deadline, log[-2000:]
+        await asyncio.sleep(0.2)
 
 
 async def test_requests_without_the_key_are_refused(engine: VllmEngine) -> None:
