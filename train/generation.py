@@ -11,7 +11,6 @@ thin SFTTrainer subclass that runs the LM head only where a label exists (2× fa
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import shutil
@@ -26,7 +25,7 @@ from lorafleet.train.causal_lm import describe_base, load_causal_base, resolve_d
 from lorafleet.train.generation_config import GenerationLoraSettings, GenerationTrainConfig, load_generation_config
 from lorafleet.train.generation_eval import StepProgress, generate_answers, text_metrics
 from lorafleet.train.headings import HeadingsDataset
-from lorafleet.train.trainer import CostMeter
+from lorafleet.train.trainer import CostMeter, save_peft_adapter
 
 log = logging.getLogger("lorafleet.train")
 HEADLINE = "test_chrf"  # the deciding metric of this kind; higher is better
@@ -268,19 +267,6 @@ def _run_sft(cfg: GenerationTrainConfig, dataset: HeadingsDataset, out_dir: Path
     return trained, tokenizer, trainer, loop, stats
 
 
-def save_adapter(model: Any, adapter_dir: Path, base_model: str) -> Path:
-    """Write only the adapter (peft format); record the base as configured, not as this machine's path."""
-    adapter_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(adapter_dir))
-    cfg_path = adapter_dir / "adapter_config.json"
-    if not cfg_path.is_file() or not (adapter_dir / "adapter_model.safetensors").is_file():
-        raise RuntimeError(f"saving the adapter to {adapter_dir} did not produce the peft files")
-    adapter_cfg = json.loads(cfg_path.read_text())
-    adapter_cfg["base_model_name_or_path"] = base_model
-    cfg_path.write_text(json.dumps(adapter_cfg, indent=2, sort_keys=True) + "\n")
-    return adapter_dir
-
-
 def train_generation(
     cfg: GenerationTrainConfig,
     dataset: HeadingsDataset,
@@ -309,7 +295,7 @@ def train_generation(
     if evaluate_test:
         test, predictions["test"] = evaluate_split(cfg, model, tokenizer, dataset, "test", "test, LoRA")
         metrics.update(test)
-    adapter_dir = save_adapter(model, out_dir / "adapter", cfg.base_model)
+    adapter_dir = save_peft_adapter(model, out_dir / "adapter", cfg.base_model)
     metrics["adapter_size_mb"] = _dir_mb(adapter_dir)
     extras: dict[str, Any] = {"device": resolve_device(cfg.device), "predictions": predictions,
                               "base": describe_base(cfg.base_model)}
@@ -356,6 +342,6 @@ def train_full(
 
 __all__ = [
     "HEADLINE", "OBJECTIVE", "GenerationLoraSettings", "GenerationTrainConfig", "assistant_loss", "build_sft_trainer",
-    "evaluate_split", "load_generation_config", "lora_config", "save_adapter", "to_prompt_completion", "train_full",
+    "evaluate_split", "load_generation_config", "lora_config", "to_prompt_completion", "train_full",
     "train_generation",
 ]

@@ -214,9 +214,14 @@ def _add_lora(model: Any, cfg: TrainConfig) -> None:
 
 
 def save_adapter(model: Any, adapter_dir: Path, base_model: str) -> Path:
-    """Write the adapter in peft format; record the base as configured, not as this machine's path."""
+    """Write the sentence-transformers model's adapter in peft format (see save_peft_adapter)."""
+    return save_peft_adapter(model[0].auto_model, adapter_dir, base_model)
+
+
+def save_peft_adapter(peft_model: Any, adapter_dir: Path, base_model: str) -> Path:
+    """Write only the adapter (peft format); record the base as configured, not as this machine's path."""
     adapter_dir.mkdir(parents=True, exist_ok=True)
-    model[0].auto_model.save_pretrained(str(adapter_dir))
+    peft_model.save_pretrained(str(adapter_dir))
     cfg_path = adapter_dir / "adapter_config.json"
     if not cfg_path.is_file() or not (adapter_dir / "adapter_model.safetensors").is_file():
         raise RuntimeError(f"saving the adapter to {adapter_dir} did not produce the peft files")
