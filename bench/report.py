@@ -1,6 +1,6 @@
 """Markdown tables from bench/results/*.json, for docs/benchmarks.md.
 
-    python -m lorafleet.bench.report [serve|routing|train|research ...]
+    python -m lorafleet.bench.report [serve|serve-peers|serve-security|routing|train|research ...]
 """
 
 from __future__ import annotations
@@ -153,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("names", nargs="*", default=["serve", "routing", "train", "research"])
     p.add_argument("--dir", type=Path, default=RESULTS_DIR)
     args = p.parse_args(argv)
-    render = {"serve": serve, "routing": routing, "train": train, "research": research}
+    render = {"serve": serve, "serve-peers": serve, "serve-security": serve, "routing": routing, "train": train,
+              "research": research}
     for name in args.names:
         path = args.dir / f"{name}.json"
         if name not in render:

@@ -25,7 +25,11 @@ Metric per policy: the highest offered rate (on a ladder of fractions of the nom
 whose p99 stays within the scenario's SLO, and the throughput at saturation (an overload point).
 A rate over the SLO is run once more on the same trace before the policy stops climbing.
 
-    python -m lorafleet.bench.routing [--quick] [--scenarios equal,slow,models,bursts,minilm] [--point-s 3]
+The `replicated` scenario prices replication: pull on the `equal` workload and the same trace, once on one
+nats-server (R1 file stream) and once on a 3-node JetStream cluster (R3 file stream, lorafleet.nats_cluster),
+side by side, with the ratio R3/R1 of the rate within the SLO and of saturation throughput.
+
+    python -m lorafleet.bench.routing [--quick] [--scenarios equal,slow,models,bursts,minilm,replicated]
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import random
 import sys
 import tempfile
@@ -61,6 +66,9 @@ from lorafleet.bench.common import (
 from lorafleet.bench.synth_worker import SLOWDOWN_ENV, model_of
 from lorafleet.config import BaseModelSpec, FleetConfig, QueueConfig, ServingProfile, WorkerConfig
 from lorafleet.nats_auth import options_from_env
+from lorafleet.nats_client import server_urls
+from lorafleet.nats_cluster import NatsCluster
+from lorafleet.nats_server import NatsServer
 from lorafleet.tune.loadgen import LoadResult, open_loop_calls, poisson_schedule
 from lorafleet.wire import HDR_MSG_ID, Heartbeat, Result, Task, consumer_name, work_subject
 
@@ -71,6 +79,7 @@ POLL_S = 0.05
 SLO_RETRIES = 1  # a rate over the SLO is measured once more before a policy stops climbing
 INBOX = "_INBOX.bench-routing"
 MINILM = "minilm"
+REPLICATED = "replicated"  # pull on one node (R1) against a 3-node cluster (R3), file streams
 
 
 @dataclass
@@ -222,15 +231,15 @@ class Workers:
 # -- the driver (plays the gateway) and the push router ------------------------------------------
 
 class Driver:
-    def __init__(self, nc: Any, queue: QueueConfig) -> None:
-        self.nc, self.js, self.queue = nc, nc.jetstream(), queue
+    def __init__(self, nc: Any, queue: QueueConfig, replicas: int = 1) -> None:
+        self.nc, self.js, self.queue, self.replicas = nc, nc.jetstream(), queue, replicas
         self.futures: dict[str, asyncio.Future[Result]] = {}
         self.heartbeats: dict[str, float] = {}
 
     async def start(self) -> None:
         from lorafleet.queue import ensure_streams
 
-        await ensure_streams(self.js, self.queue)
+        await ensure_streams(self.js, self.queue, replicas=self.replicas)
         await self.nc.subscribe(INBOX + ".>", cb=self._on_result)
         await heartbeats.subscribe(self.nc, self._on_heartbeat)
 
@@ -457,6 +466,59 @@ async def run_scenario(sc: Scenario, nats_url: str, work: Path, profile: Serving
             "ratios": ratios(policies)}
 
 
+async def run_pull(sc: Scenario, nats_url: str, work: Path, profile: ServingProfile, queue: QueueConfig,
+                   replicas: int, rates: list[float], overload: float, duration_s: float, seed: int,
+                   texts: list[str]) -> dict[str, Any]:
+    """The pull policy alone on the server(s) at `nats_url` (one URL or a cluster's, comma-separated)."""
+    nc = await nats.connect(server_urls(nats_url), max_reconnect_attempts=3, **options_from_env())
+    driver = Driver(nc, queue, replicas)
+    try:
+        await driver.start()
+        workers = Workers(sc, "pull", nats_url, work, profile, queue)
+        workers.start()
+        try:
+            await driver.wait_workers(workers, timeout=180)
+            return await run_policy(driver, Router("pull", workers, driver.js, seed), sc, rates, overload,
+                                    duration_s, seed, texts)
+        finally:
+            workers.stop()
+            await driver.settle(timeout=2.0)
+    finally:
+        await nc.drain()
+
+
+def run_replication(sc: Scenario, work: Path, profile: ServingProfile, duration_s: float, seed: int,
+                    quick: bool) -> dict[str, Any]:
+    """Pull on one nats-server (R1) and on a 3-node cluster (R3), file streams, the same trace and workers."""
+    cap = sc.nominal_capacity(profile.max_batch_items)
+    rates = [round(f * cap, 1) for f in ([0.5, 1.0] if quick else sc.fractions)]
+    overload = round(sc.overload * cap, 1)
+    queue = QueueConfig(storage="file")
+    say(f"  {REPLICATED}: {sc.description}; pull on 1 node (R1) vs 3 nodes (R3), file streams; "
+        f"SLO p99 ≤ {sc.slo_ms:g} ms")
+    policies: dict[str, Any] = {}
+    for replicas in (1, 3):
+        name = f"pull-r{replicas}"
+        server: NatsServer | NatsCluster = NatsServer(work / "nats-r1") if replicas == 1 else \
+            NatsCluster(work / "nats-r3", 3)
+        server.start()
+        try:
+            run = dataclasses.replace(sc, name=f"{REPLICATED}-r{replicas}")
+            policies[name] = asyncio.run(run_pull(run, server.url, work, profile, queue, replicas, rates, overload,
+                                                  duration_s, seed, ["x"]))
+        finally:
+            server.stop()
+    r1, r3 = policies["pull-r1"], policies["pull-r3"]
+    ratio = {"max_rate_within_slo": _ratio(r3["max_rate_within_slo"], r1["max_rate_within_slo"]),
+             "saturation": _ratio(r3["saturation_rps"], r1["saturation_rps"])}
+    p99 = {f"{p1['level']}": [p1["p99_ms"], p3["p99_ms"]]
+           for p1, p3 in zip(r1["points"], r3["points"], strict=False) if p1["level"] == p3["level"]}
+    return {"description": f"pull on {sc.description}: one nats-server (R1) vs a 3-node cluster (R3), file streams",
+            "slo_p99_ms": sc.slo_ms, "nominal_capacity_rps": round(cap, 1), "offered_rates": rates,
+            "overload_rate": overload, "queue_storage": "file", "policies": policies,
+            "p99_ms_r1_r3_by_rate": p99, "ratios": {"r3/r1": ratio}}
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     if a is None:
         return None
@@ -522,8 +584,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m lorafleet.bench.routing", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="equal and slow scenarios, two rates + overload, 1 s points.")
-    p.add_argument("--scenarios", default=None, help="Comma-separated: equal,slow,models,bursts,minilm (default all; "
-                   "--quick: equal,slow).")
+    p.add_argument("--scenarios", default=None, help="Comma-separated: equal,slow,models,bursts,minilm,replicated "
+                   "(default all; --quick: equal,slow).")
     p.add_argument("--point-s", type=float, default=None, help="Seconds of arrivals per rate (default 3; quick 1).")
     p.add_argument("--slo-ms", type=float, default=500.0, help="p99 objective of the synthetic scenarios "
                    "(the MiniLM scenario uses twice this).")
@@ -548,10 +610,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     exit_on_sigterm()
     all_sc = scenarios(args.slo_ms)
-    names = args.scenarios.split(",") if args.scenarios else (["equal", "slow"] if args.quick else list(all_sc))
-    unknown = [n for n in names if n not in all_sc]
+    known = [*all_sc, REPLICATED]
+    names = args.scenarios.split(",") if args.scenarios else (["equal", "slow"] if args.quick else known)
+    unknown = [n for n in names if n not in known]
     if unknown:
-        print(f"error: unknown scenario(s) {unknown}; choose from {list(all_sc)}", file=sys.stderr)
+        print(f"error: unknown scenario(s) {unknown}; choose from {known}", file=sys.stderr)
         return 2
     duration = args.point_s or (1.0 if args.quick else 3.0)
     overrides = {k: v for k, v in {"batches_in_flight": args.batches_in_flight,
@@ -566,8 +629,6 @@ def main(argv: list[str] | None = None) -> int:
     if MINILM in names:
         all_sc[MINILM].capacity_hint = args.minilm_capacity or measure_minilm_capacity(texts)
         say(f"  {MINILM}: nominal capacity {all_sc[MINILM].capacity_hint:.0f} req/s")
-    from lorafleet.nats_server import NatsServer
-
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="lorafleet-bench-routing-") as tmp:
         work = Path(tmp)
@@ -575,6 +636,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for n in names:
                 try:
+                    if n == REPLICATED:
+                        equal = all_sc["equal"]
+                        sc_profile = profile.model_copy(update={"max_batch_ms": scenario_budget_ms(equal, budget)})
+                        results[n] = run_replication(equal, work, sc_profile, duration, args.seed, args.quick)
+                        continue
                     sc_profile = profile.model_copy(update={"max_batch_ms": scenario_budget_ms(all_sc[n], budget)})
                     results[n] = asyncio.run(run_scenario(all_sc[n], server.url, work, sc_profile, queue, duration,
                                                           args.seed, texts, args.quick, args.push_algorithm))
@@ -583,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
                     results[n] = {"error": str(exc)}
         finally:
             server.stop()
-    ok = {n: r for n, r in results.items() if "error" not in r}
+    ok = {n: r for n, r in results.items() if "error" not in r and n != REPLICATED}  # pull vs push only
     result = {
         "benchmark": "routing", "when": stamp(), "quick": args.quick, "machine": {**info, "loadavg_end": loadavg()},
         "setup": {"profile": profile.model_dump(), "max_batch_ms": budget, "queue_storage": queue.storage,

@@ -1,9 +1,16 @@
-"""Serving against its ceiling and its peers, side by side in one run (issues 2 and 6 §2).
+"""Serving against its ceiling and its peers, side by side in one run (issues 2, 6 §2 and 19).
 
 Same packaged all-MiniLM-L6-v2, same inputs (German statute sentences of 5–20 words, one per
 request), same load generator (lorafleet.tune.loadgen, closed loop) against:
 
-- raw: in-process `SentenceTransformer.encode` at batch 1 and at its best batch size (the ceiling);
+- raw: in-process `SentenceTransformer.encode` at batch 1 and at its best batch size (the ceiling),
+  with torch's default threads unless --threads is given;
+- by default, the path users run: one cluster started exactly as `lorafleet up` starts it (the fleet
+  `lorafleet up` would serve, its thread plan, authentication on, no environment of ours), called on
+  the OpenAI route `/v1/embeddings` with `encoding_format` `float` (`openai-float`) and `base64`
+  (`openai-base64`, what the official client sends) and on the MessagePack route (`msgpack`), the
+  three routes taking turns at each concurrency; `--profile DIR` records py-spy flame graphs of the
+  gateway and the worker during the highest concurrency of each route;
 - lorafleet: the local cluster (nats-server + gateway + 1 worker), `POST /v1/encode/{model}`, as `lorafleet up`
   starts it (NATS authentication on); `lorafleet-tls` the same with TLS on every NATS connection, and
   `lorafleet-open` without authentication (`--insecure-no-auth`): what security costs, side by side;
@@ -13,7 +20,8 @@ request), same load generator (lorafleet.tune.loadgen, closed loop) against:
 Only one server runs at a time. Each is checked to return the raw model's embeddings
 (cosine > 0.999) before it is timed. Raw encode is measured again at the end to show drift.
 
-    python -m lorafleet.bench.serve [--quick] [--contenders lorafleet,naive,infinity] [--point-s 8]
+    python -m lorafleet.bench.serve [--quick] [--profile docs/img/profile]     # the user's path
+    python -m lorafleet.bench.serve --threads 1 --contenders lorafleet,naive,infinity [--point-s 8]
     python -m lorafleet.bench.serve --contenders lorafleet-open,lorafleet-tls,lorafleet-open,lorafleet-tls \
         --concurrency 1 --concurrency 32          # auth+TLS against none, alternated (medians compared)
 
@@ -26,6 +34,7 @@ import argparse
 import base64
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -53,11 +62,13 @@ from lorafleet.bench.common import (
     stop_all,
     write_json,
 )
+from lorafleet.bench.serve_report import print_table, summarise
 from lorafleet.tune.loadgen import LoadResult, Target, closed_loop
 
 MODEL_NAME = "all-MiniLM-L6-v2"
 COSINE_MIN = 0.999
-ALL_CONTENDERS = ("lorafleet", "lorafleet-tls", "lorafleet-open", "naive", "infinity")
+USER_ROUTES = ("openai-float", "openai-base64", "msgpack")
+ALL_CONTENDERS = (*USER_ROUTES, "lorafleet", "lorafleet-tls", "lorafleet-open", "naive", "infinity")
 SECURITY = {"lorafleet-open": {"auth": False, "tls": False}, "lorafleet": {"auth": True, "tls": False},
             "lorafleet-tls": {"auth": True, "tls": True}}
 
@@ -146,7 +157,12 @@ def _infinity_body(text: str) -> bytes:
     return orjson.dumps({"model": MODEL_NAME, "input": [text], "encoding_format": "base64"})
 
 
-def _infinity_vectors(content: bytes) -> np.ndarray:
+def _openai_body(encoding_format: str) -> Callable[[str], bytes]:
+    # A string input, as the official client sends one text.
+    return lambda text: orjson.dumps({"model": MODEL_NAME, "input": text, "encoding_format": encoding_format})
+
+
+def _openai_vectors(content: bytes) -> np.ndarray:
     data = orjson.loads(content)["data"]
     rows = []
     for item in data:
@@ -204,6 +220,81 @@ def start_lorafleet(work: Path, profile: dict[str, Any] | None, threads: int, na
     return c
 
 
+def start_user_path(work: Path, routes: list[str], threads: int | None) -> tuple[list[Contender], Any]:
+    """One cluster as `lorafleet up` starts it, and a contender per route on it (they share it: stop the cluster)."""
+    from lorafleet.cluster import LocalCluster, load_fleet
+    from lorafleet.nats_server import free_port
+    from lorafleet.settings import DEFAULT_FLEET
+
+    t0 = time.monotonic()
+    home = Path(tempfile.mkdtemp(prefix="user-path-", dir=work))
+    # Only the ports differ from `lorafleet up` (free ones, so a running cluster is left alone).
+    cluster = LocalCluster(load_fleet(DEFAULT_FLEET if DEFAULT_FLEET.is_file() else None), workers=1, port=0,
+                           home=home, nats_port=free_port(), extra_env=thread_env(threads) if threads else None,
+                           supervise=True)
+    cluster.start(timeout=240)
+    started = time.monotonic() - t0
+    out = []
+    for route in routes:
+        if route == "msgpack":
+            c = Contender(route, cluster.host, cluster.port, f"/v1/encode/{MODEL_NAME}", "application/msgpack",
+                          _msgpack_body, _msgpack_vectors, lambda: None)
+        else:
+            c = Contender(route, cluster.host, cluster.port, "/v1/embeddings", "application/json",
+                          _openai_body(route.removeprefix("openai-")), _openai_vectors, lambda: None)
+        c.started_s = started
+        out.append(c)
+    return out, cluster
+
+
+def _py_spy() -> str | None:
+    exe = Path(sys.executable).parent / "py-spy"
+    return str(exe) if exe.exists() else shutil.which("py-spy")
+
+
+def profile_during(pids: dict[str, int], seconds: float, out_dir: Path, label: str) -> list[subprocess.Popen[bytes]]:
+    """py-spy flame graphs (SVG) of each process for `seconds`, sampling without pausing it (--nonblocking)."""
+    exe = _py_spy()
+    if exe is None:
+        raise RuntimeError("--profile needs py-spy: pip install py-spy")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return [subprocess.Popen([exe, "record", "--pid", str(pid), "--duration", str(max(1, int(seconds))), "--rate",
+                              "100", "--nonblocking", "--format", "flamegraph", "--output",
+                              str(out_dir / f"{label}-{part}.svg")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for part, pid in pids.items()]
+
+
+def measure_user_path(contenders: list[Contender], cluster: Any, texts: list[str], concurrencies: list[int],
+                      point_s: float, warmup_s: float, profile_dir: Path | None) -> dict[str, list[dict[str, Any]]]:
+    """The routes take turns at each concurrency (drift hits them alike); CPU seconds per process per point."""
+    import psutil
+
+    parts = {**{name: proc.pid for name, proc in cluster.procs.items()}, "nats-server": cluster.nats.pid}
+    ps = {name: psutil.Process(pid) for name, pid in parts.items()}
+    targets = {c.name: c.target(texts) for c in contenders}
+    if warmup_s:
+        for t in targets.values():
+            _run(closed_loop(t, max(8, min(concurrencies[-1], 32)), warmup_s))
+    points: dict[str, list[dict[str, Any]]] = {c.name: [] for c in contenders}
+    for conc in concurrencies:
+        for c in contenders:
+            spies = (profile_during({k: v for k, v in parts.items() if k != "nats-server"}, point_s, profile_dir,
+                                    f"{c.name}-c{conc}")
+                     if profile_dir is not None and conc == concurrencies[-1] else [])
+            cpu0 = {k: sum(p.cpu_times()[:2]) for k, p in ps.items()}
+            r = _run(closed_loop(targets[c.name], conc, point_s))
+            s = r.summary()
+            s["statuses"] = {str(k): v for k, v in r.statuses.items()}
+            s["cores_used"] = {k: round((sum(p.cpu_times()[:2]) - cpu0[k]) / point_s, 2) for k, p in ps.items()}
+            points[c.name].append(s)
+            for spy in spies:
+                spy.wait(timeout=point_s + 60)
+            say(f"  {c.name:<13} c={conc:<4} {r.throughput:7.1f} req/s  p50 {fmt(r.percentile(50))} ms  "
+                f"p99 {fmt(r.percentile(99))} ms  errors {r.errors}  cores {s['cores_used']}")
+    return points
+
+
 def start_naive(work: Path, model_dir: str, threads: int) -> Contender:
     from lorafleet.nats_server import free_port
 
@@ -240,7 +331,7 @@ def start_infinity(work: Path, model_dir: str, batch_size: int, threads: int) ->
         _stopper(proc)()
         raise
     c = Contender("infinity", "127.0.0.1", port, "/embeddings", "application/json", _infinity_body,
-                  _infinity_vectors, _stopper(proc))
+                  _openai_vectors, _stopper(proc))
     c.started_s = time.monotonic() - t0
     return c
 
@@ -275,134 +366,36 @@ def measure_contender(c: Contender, texts: list[str], concurrencies: list[int], 
     return points
 
 
-# -- report -------------------------------------------------------------------------------------
-
-def _refs(raw: dict[str, Any], sysres: dict[str, Any]) -> tuple[float, float | None]:
-    """Raw best-batch sentences/s and batch-1 call p50 measured right before this system (else at the start)."""
-    adj = sysres.get("raw_adjacent")
-    if adj:
-        return adj["best_sentences_per_s"], adj.get("batch1_p50_ms")
-    return raw["best_sentences_per_s"], raw.get("batch1_p50_ms")
-
-
-def summarise(raw: dict[str, Any], systems: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Ratios against raw encode measured right before each system (the machine drifts), and the targets."""
-    out: dict[str, Any] = {"raw_best_batch": raw["best_batch"], "raw_best_sentences_per_s": raw["best_sentences_per_s"],
-                           "raw_batch1_p50_ms": raw.get("batch1_p50_ms")}
-    pts_of = {name: {int(p["level"]): p for p in s.get("points", [])} for name, s in systems.items()}
-    naive1 = pts_of.get("naive", {}).get(1)
-    for name, sysres in systems.items():
-        pts = pts_of[name]
-        if not pts:
-            continue
-        best, b1 = _refs(raw, sysres)
-        p1 = pts.get(1)
-        out[name] = {
-            "raw_best_sentences_per_s": best, "raw_batch1_p50_ms": b1,
-            "ratio_to_raw_best": {str(c): round(p["throughput_rps"] / best, 3) for c, p in pts.items()},
-            "c1_p50_minus_raw_batch1_ms": (round(p1["p50_ms"] - b1, 2) if p1 and p1["p50_ms"] is not None and b1
-                                           else None),
-            # The naive server is one HTTP hop plus one encode: what a queue adds beyond plain HTTP.
-            "c1_p50_minus_naive_c1_ms": (round(p1["p50_ms"] - naive1["p50_ms"], 2)
-                                         if p1 and naive1 and name != "naive" else None),
-        }
-    targets: dict[str, Any] = {}
-    security = security_cost(pts_of)
-    if security:
-        out["security"] = security
-        targets["auth_tls_within_3pct_c32_and_0.5ms_c1"] = {
-            k: security[k] for k in ("c32_throughput_ratio", "c1_p50_delta_ms")} | {"met": security["met"]}
-    lfp = pts_of.get("lorafleet")
-    if lfp:
-        ratios = out["lorafleet"]["ratio_to_raw_best"]
-        high = [c for c in lfp if c >= 32]
-        if high:
-            worst = min(ratios[str(c)] for c in high)
-            targets["cluster_ge_0.8x_raw_best_at_c>=32"] = {"worst_ratio": worst, "met": worst >= 0.8}
-        d = out["lorafleet"]["c1_p50_minus_raw_batch1_ms"]
-        if d is not None:
-            targets["c1_p50_within_3ms_of_raw_batch1"] = {"delta_ms": d, "met": d <= 3.0}
-        infp = pts_of.get("infinity")
-        if infp:
-            per_c = {}
-            for conc in sorted(set(lfp) & set(infp)):
-                a, b = lfp[conc], infp[conc]
-                per_c[str(conc)] = {
-                    "throughput_ratio": (round(a["throughput_rps"] / b["throughput_rps"], 3)
-                                         if b["throughput_rps"] else None),
-                    "p99_lorafleet_ms": a["p99_ms"], "p99_infinity_ms": b["p99_ms"],
-                    "met": a["throughput_rps"] >= b["throughput_rps"] and (a["p99_ms"] or 1e9) <= (b["p99_ms"] or 1e9),
-                }
-            targets["lorafleet_ge_infinity_at_le_p99"] = {"per_concurrency": per_c,
-                                                          "met": all(v["met"] for v in per_c.values())}
-    out["targets"] = targets
-    return out
-
-
-def _median(xs: list[float]) -> float | None:
-    return round(float(np.median(xs)), 2) if xs else None
-
-
-def security_cost(pts_of: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any] | None:
-    """lorafleet-tls (auth + TLS) against lorafleet-open (neither), medians over their runs: throughput at
-    c=32 and p50 at c=1. Targets: at most 3 % lower throughput, at most +0.5 ms."""
-    def runs(base: str, level: int, key: str) -> list[float]:
-        return [pts[level][key] for name, pts in pts_of.items()
-                if name.split("#")[0] == base and level in pts and pts[level][key] is not None]
-
-    tls32, open32 = _median(runs("lorafleet-tls", 32, "throughput_rps")), _median(runs("lorafleet-open", 32,
-                                                                                        "throughput_rps"))
-    tls1, open1 = _median(runs("lorafleet-tls", 1, "p50_ms")), _median(runs("lorafleet-open", 1, "p50_ms"))
-    if None in (tls32, open32) and None in (tls1, open1):
-        return None
-    ratio = round(tls32 / open32, 3) if tls32 and open32 else None
-    delta = round(tls1 - open1, 2) if tls1 is not None and open1 is not None else None
-    return {"c32_rps": {"tls": tls32, "open": open32}, "c1_p50_ms": {"tls": tls1, "open": open1},
-            "c32_throughput_ratio": ratio, "c1_p50_delta_ms": delta,
-            "runs": {"tls": len(runs("lorafleet-tls", 32, "throughput_rps") or runs("lorafleet-tls", 1, "p50_ms")),
-                     "open": len(runs("lorafleet-open", 32, "throughput_rps") or runs("lorafleet-open", 1, "p50_ms"))},
-            "met": (ratio is None or ratio >= 0.97) and (delta is None or delta <= 0.5)}
-
-
-def print_table(result: dict[str, Any]) -> None:
-    raw = result["raw"]
-    print(f"\nraw in-process encode ({MODEL_NAME}, {result['inputs']['description']})")
-    for b, r in raw["start"]["by_batch"].items():
-        print(f"  batch {b:>3}: {r['sentences_per_s']:7.1f} sentences/s   call p50 {r['call_p50_ms']:.1f} ms")
-    if raw.get("end"):
-        print(f"  again at the end: best batch {raw['end']['best_batch']}: {raw['end']['best_sentences_per_s']:.1f} "
-              f"sentences/s (drift check)")
-    s = result["summary"]
-    print(f"\n{'system':<10} {'c':>4} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'× raw best':>10} {'errors':>6} "
-          f"{'loadgen CPU':>11}")
-    for name, sysres in result["systems"].items():
-        if "points" not in sysres:
-            print(f"{name:<10} not measured: {sysres.get('error')}")
-            continue
-        for p in sysres["points"]:
-            ratio = s[name]["ratio_to_raw_best"][str(int(p["level"]))]
-            print(f"{name:<10} {int(p['level']):>4} {p['throughput_rps']:>8.1f} {fmt(p['p50_ms']):>8} "
-                  f"{fmt(p['p99_ms']):>8} {ratio:>10.2f} {p['errors']:>6} {p['gen_cpu_pct']:>10.1f}%")
-    print(f"\n(× raw best: against raw encode measured right before each system)\n"
-          f"raw at the start: best batch {s['raw_best_batch']}: {s['raw_best_sentences_per_s']:.1f} sentences/s; "
-          f"batch-1 call p50 {fmt(s['raw_batch1_p50_ms'], 2)} ms")
-    for name in result["systems"]:
-        if name not in s:
-            continue
-        v = s[name]
-        line = (f"{name}: raw before it {v['raw_best_sentences_per_s']:.1f} sentences/s best batch, batch-1 p50 "
-                f"{fmt(v['raw_batch1_p50_ms'], 2)} ms")
-        if v["c1_p50_minus_raw_batch1_ms"] is not None:
-            line += f"; c=1 p50 − raw batch-1 = {v['c1_p50_minus_raw_batch1_ms']:+.2f} ms"
-        if v.get("c1_p50_minus_naive_c1_ms") is not None:
-            line += f"; c=1 p50 − naive c=1 p50 = {v['c1_p50_minus_naive_c1_ms']:+.2f} ms"
-        print(line)
-    for tname, t in s["targets"].items():
-        print(f"target {tname}: {'MET' if t['met'] else 'MISSED'}  "
-              f"{ {k: v for k, v in t.items() if k not in ('met', 'per_concurrency')} or ''}")
-        for conc, v in t.get("per_concurrency", {}).items():
-            print(f"    c={conc}: lorafleet/infinity throughput {v['throughput_ratio']}, "
-                  f"p99 {v['p99_lorafleet_ms']} vs {v['p99_infinity_ms']} ms → {'met' if v['met'] else 'missed'}")
+def run_user_path(work: Path, routes: list[str], threads: int | None, model: Any, texts: list[str],
+                  raw_start: dict[str, Any], ref: np.ndarray, concurrencies: list[int], point_s: float,
+                  warmup_s: float, raw_s: float, profile_dir: Path | None) -> dict[str, dict[str, Any]]:
+    say("raw encode before the user's path…")
+    adjacent = measure_raw(model, texts, sorted({1, raw_start["best_batch"]}), raw_s)
+    say(f"user path ({', '.join(routes)}): starting a cluster as `lorafleet up` does…")
+    try:
+        contenders, cluster = start_user_path(work, routes, threads)
+    except Exception as exc:
+        say(f"user path: could not start: {exc}")
+        return {r: {"error": f"could not start: {exc}"} for r in routes}
+    try:
+        entries: dict[str, dict[str, Any]] = {}
+        for c in contenders:
+            cos = check_embeddings(c, texts[:8], ref)
+            entries[c.name] = {"startup_s": round(c.started_s, 1), "min_cosine": round(cos, 6), "endpoint": c.path,
+                               "raw_adjacent": adjacent, "threads": cluster.threads.describe()}
+            if cos <= COSINE_MIN:
+                entries[c.name]["error"] = f"embeddings differ from raw encode (min cosine {cos:.5f})"
+        ok = [c for c in contenders if "error" not in entries[c.name]]
+        say(f"  ready in {contenders[0].started_s:.1f}s; {cluster.threads.describe()}")
+        for name, pts in measure_user_path(ok, cluster, texts, concurrencies, point_s, warmup_s,
+                                           profile_dir).items():
+            entries[name]["points"] = pts
+        return entries
+    except Exception as exc:
+        say(f"user path: failed: {exc}")
+        return {r: {"error": str(exc)} for r in routes}
+    finally:
+        cluster.stop()
 
 
 # -- main ---------------------------------------------------------------------------------------
@@ -410,10 +403,13 @@ def print_table(result: dict[str, Any]) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m lorafleet.bench.serve", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="Short points, c=1 and 8, lorafleet + naive only (~1 min).")
+    p.add_argument("--quick", action="store_true", help="Short points at c=1 and 8 (~1 min).")
     p.add_argument("--contenders", default=None,
                    help=f"Comma-separated subset of {','.join(ALL_CONTENDERS)} "
-                        "(default: all; --quick: lorafleet,naive).")
+                        f"(default: the user's path, {','.join(USER_ROUTES)}).")
+    p.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                   help="Write py-spy flame graphs of the gateway and the worker during the highest concurrency of "
+                        "each user-path route to DIR (needs py-spy).")
     p.add_argument("--concurrency", type=int, action="append", default=None,
                    help="Closed-loop concurrency (repeatable; default 1, 8, 32, 128).")
     p.add_argument("--point-s", type=float, default=None, help="Seconds per load point (default 8; quick 1.5).")
@@ -423,7 +419,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batches-in-flight", type=int, default=None, help="lorafleet worker profile: batches in flight.")
     p.add_argument("--infinity-batch-size", type=int, default=32)
     p.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op threads for every contender (default: the number of CPUs).")
+                   help="torch intra-op threads for raw encode and every contender (default: torch's own for raw "
+                        "encode, the `lorafleet up` plan for the user's path, the number of CPUs for the others).")
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "serve.json")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
@@ -433,8 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     exit_on_sigterm()
     quick = args.quick
-    contenders = (args.contenders.split(",") if args.contenders else
-                  (["lorafleet", "naive"] if quick else list(ALL_CONTENDERS)))
+    contenders = args.contenders.split(",") if args.contenders else list(USER_ROUTES)
     unknown = [c for c in contenders if c not in ALL_CONTENDERS]
     seen: dict[str, int] = {}
     keys = []  # a contender named twice is measured twice: name, name#2, …
@@ -459,11 +455,12 @@ def main(argv: list[str] | None = None) -> int:
     say(f"bench/serve: {info['cpus']} CPUs ({info['cpu']}), load average {info['loadavg_start']}; "
         f"contenders {contenders}; concurrency {concurrencies}; {point_s:g}s per point")
 
-    threads = args.threads or os.cpu_count() or 1
     import torch
     from sentence_transformers import SentenceTransformer
 
-    torch.set_num_threads(threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = args.threads or os.cpu_count() or 1  # for the contenders other than the user's path
 
     from lorafleet.models import resolve_model_source
 
@@ -481,7 +478,13 @@ def main(argv: list[str] | None = None) -> int:
     systems: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="lorafleet-bench-serve-") as tmp:
         work = Path(tmp)
+        user = [(k, n) for k, n in zip(keys, contenders, strict=True) if n in USER_ROUTES]
+        if user:
+            systems.update(run_user_path(work, [n for _, n in user], args.threads, model, texts, raw_start, ref,
+                                         concurrencies, point_s, warmup_s, raw_s, args.profile))
         for key, name in zip(keys, contenders, strict=True):
+            if name in USER_ROUTES:
+                continue
             # Raw encode again right before each system: the ratios use it, since a shared machine drifts.
             say(f"raw encode before {key}…")
             adjacent = measure_raw(model, texts, sorted({1, raw_start["best_batch"]}), raw_s)
@@ -522,7 +525,9 @@ def main(argv: list[str] | None = None) -> int:
     raw_end = measure_raw(model, texts, [raw_start["best_batch"]], raw_s)
     result: dict[str, Any] = {
         "benchmark": "serve", "when": stamp(), "quick": quick, "machine": {**info, "loadavg_end": loadavg()},
-        "model": MODEL_NAME, "torch_threads": threads,
+        "model": MODEL_NAME, "torch_threads": torch.get_num_threads(),
+        "threads_note": ("raw encode at torch's default threads; the user's path as `lorafleet up` plans them"
+                         if not args.threads else f"{args.threads} for raw encode and every contender"),
         "inputs": {"description": "German statute sentences, 5–20 words, one per request", "count": len(texts),
                    "mean_tokens": round(float(np.mean(lens)), 1), "max_tokens": int(max(lens))},
         "load": {"kind": "closed loop", "concurrency": concurrencies, "point_s": point_s, "warmup_s": warmup_s,

@@ -12,6 +12,11 @@ the admin credential applies the layout (streams, fleet bucket) at start. `tls=T
 private CA and a TLS-only server. `auth=False` is the old open server (`--insecure-no-auth`).
 
 With `supervise=True` a supervisor thread (supervisor.py) restarts a part that exits, with back-off.
+
+`nats_nodes=3` starts a JetStream cluster instead of one nats-server (nats_cluster.py: parts
+`nats-server-1..3`, routes on the cluster's host, the same credentials on every node); the parts get
+every node's URL and fail over among them, and the streams and fleet bucket get R3 unless the fleet
+file says otherwise (`nats.replicas`).
 """
 
 from __future__ import annotations
@@ -36,18 +41,22 @@ from lorafleet import settings
 from lorafleet.cluster_state import STATE_FILE, ClusterError, ClusterState, collect_status, down
 from lorafleet.config import FleetConfig, load_yaml_model
 from lorafleet.fleet_state import ensure_fleet_bucket
+from lorafleet.heartbeats import ENV_RESTARTS
 from lorafleet.nats_auth import TlsFiles
-from lorafleet.nats_client import ClientSettings, quiet_tls_noise
-from lorafleet.nats_server import NatsServer, free_port, port_open
+from lorafleet.nats_client import ClientSettings, join_urls, quiet_tls_noise, server_urls
+from lorafleet.nats_cluster import local_nats, plan_replicas
+from lorafleet.nats_server import NatsServer, NatsServerError, free_port, port_open
 from lorafleet.nats_tls import issue_certificate, make_self_signed_ca
 from lorafleet.processes import find_parts, pid_alive, stop_group
 from lorafleet.queue import ensure_fleet_streams
 from lorafleet.supervisor import RestartPolicy, Supervisor
+from lorafleet.threads import available_cpus, plan_threads, pool_env
 
 __all__ = ["ClusterError", "ClusterState", "LocalCluster", "collect_status", "down", "load_fleet", "pid_alive",
            "stop_group"]
 
-ROLE_OF_PART = {"gateway": "gateway"}  # every other part but nats-server is a worker
+ROLE_OF_PART = {"gateway": "gateway"}  # every other part but the nats-server node(s) is a worker
+LAYOUT_TIMEOUT_S = 30.0  # a cluster's JetStream may answer "temporarily unavailable" for a moment after start
 
 
 def run_async(coro: Coroutine[Any, Any, Any]) -> Any:
@@ -71,13 +80,25 @@ def run_async(coro: Coroutine[Any, Any, Any]) -> Any:
 async def apply_layout(url: str, options: dict[str, Any], fleet: FleetConfig) -> None:
     """With the admin credential: the streams as the fleet file says (created or reconfigured), the fleet bucket."""
     import nats
+    from nats.errors import NoRespondersError
+    from nats.errors import TimeoutError as NatsTimeoutError
+    from nats.js.errors import ServiceUnavailableError
 
     quiet_tls_noise()
-    nc = await nats.connect(url, allow_reconnect=False, connect_timeout=5, **options)
+    nc = await nats.connect(server_urls(url), allow_reconnect=False, connect_timeout=5, **options)
+    deadline = time.monotonic() + LAYOUT_TIMEOUT_S
     try:
         js = nc.jetstream()
-        await ensure_fleet_streams(js, fleet, update=True)
-        await ensure_fleet_bucket(js)
+        while True:
+            try:
+                await ensure_fleet_streams(js, fleet, update=True)
+                await ensure_fleet_bucket(js, replicas=fleet.nats.stream_replicas())
+                return
+            except (ServiceUnavailableError, NoRespondersError, NatsTimeoutError) as exc:
+                if time.monotonic() > deadline:  # a new cluster's stream leaders are still being elected
+                    raise ClusterError(f"JetStream did not accept the streams within {LAYOUT_TIMEOUT_S:.0f}s: "
+                                       f"{exc!r}") from exc
+                await asyncio.sleep(0.2)
     finally:
         await nc.close()
 
@@ -89,12 +110,20 @@ class LocalCluster:
                  home: Path | None = None, nats_port: int | None = None, host: str = "127.0.0.1",
                  extra_env: dict[str, str] | None = None, auth: bool = True, tls: bool = False,
                  supervise: bool = False, on_event: Callable[[str], None] | None = None,
-                 restart_policy: RestartPolicy | None = None, supervisor_pid: int | None = None) -> None:
+                 restart_policy: RestartPolicy | None = None, supervisor_pid: int | None = None,
+                 worker_threads: int | None = None, nats_nodes: int = 1) -> None:
         if workers < 0:
             raise ClusterError("--workers must be 0 or more")
+        if worker_threads is not None and worker_threads < 1:
+            raise ClusterError(f"--worker-threads must be 1 or more, got {worker_threads}")
         if tls and not auth:
             raise ClusterError("TLS without authentication protects nothing worth it: drop --insecure-no-auth")
         self.fleet = (fleet or FleetConfig()).model_copy(deep=True)
+        self.nats_nodes = nats_nodes
+        try:  # R3 on a cluster unless the fleet file says otherwise; never more replicas than nodes
+            self.fleet.nats.replicas = plan_replicas(self.fleet.nats.replicas, nats_nodes)
+        except NatsServerError as exc:
+            raise ClusterError(str(exc)) from exc
         self.workers = workers
         self.home = (home or settings.home()).resolve()
         self.host = host
@@ -103,12 +132,16 @@ class LocalCluster:
             self.port = free_port(host)
         self.nats_port = nats_port
         self.extra_env = extra_env or {}
+        # Each worker's share of this host's CPUs (lorafleet/threads.py); an explicit count or OMP_NUM_THREADS wins.
+        self.threads = plan_threads(available_cpus(), workers, worker_threads or self.fleet.worker.threads,
+                                    {**os.environ, **self.extra_env})
         self.auth, self.tls = auth, tls
         self.supervise, self.on_event = supervise, on_event
         self.restart_policy = restart_policy or RestartPolicy()
         # The CLI's `up` process, recorded so `lorafleet down` can stop it first (never a test runner's pid).
         self.supervisor_pid = supervisor_pid
-        self.nats: NatsServer | None = None
+        self.nats: NatsServer | None = None  # the single server, or node 1 of a cluster
+        self.nats_servers: dict[str, NatsServer] = {}  # part name (nats-server, nats-server-1, …) → node
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.state: ClusterState | None = None
         self.supervisor: Supervisor | None = None
@@ -126,8 +159,16 @@ class LocalCluster:
 
     @property
     def nats_url(self) -> str:
-        assert self.nats is not None
-        return self.nats.url.replace(f"//{self.host}:", f"//{self._local_host}:")
+        """The server's URL, or every node's, comma-separated (what --nats-url and the fleet's nats_url take)."""
+        assert self.nats_servers, "start the cluster first"
+        local = f"//{self._local_host}:"
+        return join_urls([s.url.replace(f"//{self.host}:", local) for s in self.nats_servers.values()])
+
+    def _start_nats(self, tls: TlsFiles | None) -> None:
+        nats_port = self.nats_port or (4222 if not port_open(self.host, 4222) else free_port(self.host))
+        self.nats_servers = local_nats(self.home, self.nats_nodes, host=self.host, port=nats_port,
+                                       creds=self.home / "creds" if self.auth else None, tls=tls)
+        self.nats = next(iter(self.nats_servers.values()))
 
     def client(self, role: str | None = "admin") -> ClientSettings:
         """The credential of `role` (and the CA) for this cluster's NATS; none without auth."""
@@ -166,13 +207,11 @@ class LocalCluster:
         (self.home / "logs").mkdir(parents=True, exist_ok=True)
         try:
             what = "with authentication" + (" and TLS" if self.tls else "") if self.auth else "WITHOUT authentication"
-            self._say(progress, f"starting nats-server (JetStream, {what})…")
-            nats_port = self.nats_port or (4222 if not port_open(self.host, 4222) else free_port(self.host))
+            nodes = f"a {self.nats_nodes}-node cluster, R{self.fleet.nats.stream_replicas()}, " \
+                if self.nats_nodes > 1 else ""
+            self._say(progress, f"starting nats-server ({nodes}JetStream, {what})…")
             tls = self._server_tls() if self.tls else None
-            self.nats = NatsServer(self.home / "nats", port=nats_port, host=self.host,
-                                   log_file=self.home / "logs" / "nats-server.log",
-                                   creds=self.home / "creds" if self.auth else None, tls=tls).start()
-            assert self.nats.proc is not None
+            self._start_nats(tls)
             self.fleet.nats_url = self.nats_url
             self.fleet.gateway.port = self.port
             fleet_file = self._write_fleet_file()
@@ -180,7 +219,7 @@ class LocalCluster:
                 else None
             self.state = ClusterState(
                 home=str(self.home), nats_url=self.nats_url, gateway_url=self.gateway_url, fleet_file=str(fleet_file),
-                pids={"nats-server": self.nats.proc.pid}, auth=self.auth, tls=tls_files,
+                pids={n: s.pid for n, s in self.nats_servers.items() if s.pid}, auth=self.auth, tls=tls_files,
                 supervisor_pid=self.supervisor_pid)
             run_async(apply_layout(self.nats_url, self.client_options("admin"), self.fleet))
             for i in range(self.workers):
@@ -202,13 +241,16 @@ class LocalCluster:
     def start_worker(self, name: str) -> subprocess.Popen[bytes]:
         assert self.state is not None, "start the cluster first"
         return self._spawn(name, [sys.executable, "-m", "lorafleet.sidecar", "--fleet", self.state.fleet_file,
-                                  "--nats-url", self.state.nats_url, "--worker-id", name])
+                                  "--nats-url", self.state.nats_url, "--worker-id", name,
+                                  "--threads", str(self.threads.worker)])
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
         assert self.state is not None
         log_path = self.home / "logs" / f"{name}.log"
-        env = {**os.environ, **self.extra_env, "LORAFLEET_HOME": str(self.home), "PYTHONUNBUFFERED": "1",
-               **self.state.client(ROLE_OF_PART.get(name, "worker")).env()}
+        role = ROLE_OF_PART.get(name, "worker")
+        pools = pool_env(self.threads.worker if role == "worker" else self.threads.gateway)
+        env = {**os.environ, **pools, **self.extra_env, "LORAFLEET_HOME": str(self.home), "PYTHONUNBUFFERED": "1",
+               **self.state.client(role).env(), ENV_RESTARTS: str(self.state.restarts.get(name, 0))}
         with self._lock, open(log_path, "ab") as log:
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=env, start_new_session=True)
@@ -263,10 +305,12 @@ class LocalCluster:
         return self.home / "logs" / f"{name}.log"
 
     def pid(self, name: str) -> int:
-        """The process id (= process group) of a running part: 'gateway', 'worker-1', 'nats-server', …"""
-        if name == "nats-server":
-            assert self.nats is not None and self.nats.pid is not None
-            return self.nats.pid
+        """The process id (= process group) of a running part: 'gateway', 'worker-1', 'nats-server'
+        ('nats-server-1', … on a cluster), …"""
+        if name in self.nats_servers:
+            pid = self.nats_servers[name].pid
+            assert pid is not None
+            return pid
         return self.procs[name].pid
 
     def part_names(self) -> list[str]:
@@ -290,20 +334,22 @@ class LocalCluster:
     def part_exit_codes(self) -> dict[str, int | None]:
         with self._lock:
             codes: dict[str, int | None] = {name: proc.poll() for name, proc in self.procs.items()}
-            if self.nats is not None and self.nats.proc is not None:
-                codes["nats-server"] = self.nats.proc.poll()
+            for name, server in self.nats_servers.items():
+                if server.proc is not None:
+                    codes[name] = server.proc.poll()
         return codes
 
     def respawn(self, name: str) -> None:
         """Start a part that exited again, the way it was started."""
         with self._lock:
-            if name == "nats-server":
-                assert self.nats is not None and self.state is not None
-                if self.nats.running():
+            if name in self.nats_servers:
+                server = self.nats_servers[name]
+                assert self.state is not None
+                if server.running():
                     return  # restarted by someone else meanwhile
-                self.nats.start()
-                assert self.nats.proc is not None
-                self.state.pids[name] = self.nats.proc.pid
+                server.start()  # same ports and store: a cluster node rejoins and catches up
+                assert server.proc is not None
+                self.state.pids[name] = server.proc.pid
                 self._save()
                 return
             if name in self._argv and name in self.procs:
@@ -339,6 +385,7 @@ class LocalCluster:
             self.supervisor = None
         self.procs.clear()
         self.nats = None
+        self.nats_servers = {}
 
     def _write_fleet_file(self) -> Path:
         path = self.home / "fleet.yaml"
@@ -352,7 +399,7 @@ class LocalCluster:
         pid = self.pid(name)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, sig)
-        if sig == signal.SIGKILL and name != "nats-server":
+        if sig == signal.SIGKILL and name not in self.nats_servers:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.procs[name].wait(timeout=10)
 
@@ -375,8 +422,8 @@ class LocalCluster:
         for proc in procs.values():
             with contextlib.suppress(Exception):
                 proc.wait(timeout=1)
-        if self.nats is not None:
-            self.nats.stop()
+        for server in self.nats_servers.values():
+            server.stop()
         with contextlib.suppress(FileNotFoundError):
             (self.home / STATE_FILE).unlink()
 

@@ -8,6 +8,7 @@ is seen, and a stale pid is never signalled.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import os
@@ -21,12 +22,13 @@ from urllib.parse import urlsplit
 from lorafleet import heartbeats, settings
 from lorafleet.config import FleetConfig
 from lorafleet.nats_auth import CREDS_SUFFIX, TlsFiles, explain_connect_error
-from lorafleet.nats_client import ClientSettings, quiet_tls_noise
+from lorafleet.nats_client import ClientSettings, quiet_tls_noise, server_urls
 from lorafleet.nats_server import NatsServer
 from lorafleet.processes import SUPERVISOR, find_parts, pid_alive, stop_group, stop_order
 from lorafleet.queue import queue_depth
 
 STATE_FILE = "cluster.json"
+CONNECT_TIMEOUT_S = 5.0  # `lorafleet status`: how long NATS may take to answer before the local view is shown
 
 
 class ClusterError(RuntimeError):
@@ -135,29 +137,49 @@ def down(home: Path | None = None, timeout: float = 30.0) -> list[str]:
     return stopped
 
 
-async def collect_status(state: ClusterState, fleet: FleetConfig, listen_s: float = 1.5,
-                         client: ClientSettings | None = None) -> dict[str, Any]:
-    """Workers (from their heartbeats), queue depth and consumer lag, read live from NATS (control credential)."""
+async def collect_status(state: ClusterState | None, fleet: FleetConfig, listen_s: float = 1.5,
+                         client: ClientSettings | None = None, nats_url: str | None = None) -> dict[str, Any]:
+    """The cluster as NATS sees it, from any host: every process's presence (role, host, pid, state,
+    restarts), workers' heartbeats, queue depth and consumer lag. `nats_url` and `client` default to the
+    local cluster's (`state`, control credential); ClusterError when NATS cannot be reached."""
     import nats
 
     quiet_tls_noise()
-    client = client or ClientSettings.resolve(fallback_creds=state.creds_path("control"))
-    if client.tls is None and state.tls:
+    url = nats_url or (state.nats_url if state is not None else None)
+    if not url:
+        raise ClusterError("no NATS URL: pass --nats-url (and --creds), or start a local cluster with `lorafleet up`")
+    if client is None:
+        client = ClientSettings.resolve(fallback_creds=state.creds_path("control") if state is not None else None)
+    if client.tls is None and state is not None and state.tls:
         client = dataclasses.replace(client, tls=state.client(None).tls)
-    try:
-        nc = await nats.connect(state.nats_url, connect_timeout=2, max_reconnect_attempts=0, allow_reconnect=False,
-                                **client.options())
+    errors: list[Exception] = []
+
+    async def on_error(exc: Exception) -> None:  # nats-py would log a traceback per attempt
+        errors.append(exc)
+
+    try:  # bounded: a refused first connect makes nats-py try again for ever, whatever its options say
+        nc = await asyncio.wait_for(nats.connect(server_urls(url), connect_timeout=2, max_reconnect_attempts=0,
+                                                 allow_reconnect=False, error_cb=on_error, **client.options()),
+                                    CONNECT_TIMEOUT_S)
     except Exception as exc:
-        raise ClusterError(explain_connect_error(exc, state.nats_url)) from exc
+        cause = errors[-1] if isinstance(exc, TimeoutError) and errors else exc
+        if isinstance(cause, TimeoutError):
+            raise ClusterError(f"no answer from NATS at {url} within {CONNECT_TIMEOUT_S:.0f}s") from exc
+        raise ClusterError(explain_connect_error(cause, url)) from exc
     try:
-        workers = await heartbeats.collect(nc, listen_s)
+        workers, present = await asyncio.gather(heartbeats.collect(nc, listen_s),
+                                                heartbeats.collect_presence(nc, listen_s))
         try:
             depth = await queue_depth(nc.jetstream(), fleet.queue)
         except Exception as exc:  # the stream may not exist yet
             depth = {"error": str(exc)}  # type: ignore[dict-item]
     finally:
         await nc.drain()
-    return {"workers": {k: asdict(v) for k, v in sorted(workers.items())}, "queue": depth}
+    now = time.time()
+    cluster = {key: {**asdict(p), "up_s": round(now - p.started, 1) if p.started else None}
+               for key, p in sorted(present.items())}
+    return {"source": "nats", "nats_url": url, "cluster": cluster,
+            "workers": {k: asdict(v) for k, v in sorted(workers.items())}, "queue": depth}
 
 
 def processes(home: Path, state: ClusterState) -> dict[str, dict[str, Any]]:

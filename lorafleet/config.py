@@ -109,6 +109,12 @@ class BaseModelSpec(StrictModel):
     normalize: bool | None = Field(None, description="None: as the model's own config says.")
     options: dict[str, Any] = Field(default_factory=dict,
                                     description="Settings of this base's runtime plugin; the runtime checks them.")
+    scale_to_zero: bool = Field(
+        False,
+        description="Accept this base's requests while no worker for it is live: they wait in the queue (up to "
+        "their deadline) for an autoscaler, e.g. KEDA on the base's consumer lag, to start one. False: the "
+        "gateway answers 503 no_worker at once, which is right for a base that always has workers.",
+    )
 
     @field_validator("runtime")
     @classmethod
@@ -167,6 +173,12 @@ class WorkerConfig(StrictModel):
     max_adapters: int = Field(8, ge=1, description="Adapters kept in memory per base; LRU beyond it.")
     heartbeat_s: float = Field(1.0, gt=0)
     device: str = Field("auto", description="'auto', 'cpu', 'cuda', 'cuda:0', …")
+    threads: int | None = Field(
+        None, ge=1,
+        description="torch intra-op threads per worker. null: the CPUs this host gives lorafleet (affinity and "
+        "cgroup quota) divided among the workers `lorafleet up` starts on it (a worker started alone takes all); "
+        "OMP_NUM_THREADS in the environment is used when set.",
+    )
     drain_timeout_s: float = Field(30.0, gt=0, description="On SIGTERM, how long to finish in-flight work.")
     adapter_roots: list[str] = Field(
         default_factory=list,
@@ -184,18 +196,32 @@ class WorkerConfig(StrictModel):
 class NatsClientConfig(StrictModel):
     """How gateways, workers and the CLI connect to NATS; each setting can also come from the environment
     (LORAFLEET_NATS_CREDS, LORAFLEET_NATS_TLS_CA/_CERT/_KEY), which wins over the file, and a command-line
-    flag wins over both. Credentials are per process, so the fleet file rarely names one."""
+    flag wins over both. Credentials are per process, so the fleet file rarely names one. `replicas` is the
+    cluster's: how many copies JetStream keeps of what lorafleet stores."""
 
     creds: str | None = Field(None, description="nkey credential file (a seed, mode 0600) whose name gives the role.")
     tls_ca: str | None = Field(None, description="CA certificate that signed the server's (private CA).")
     tls_cert: str | None = Field(None, description="Client certificate, when the server verifies clients.")
     tls_key: str | None = Field(None, description="Key of the client certificate.")
+    replicas: int | None = Field(
+        None, ge=1, le=5,
+        description="Copies JetStream keeps of the work and dead-letter streams and the fleet KV bucket (R3 on a "
+        "3-node cluster survives the loss of one node). None: as many as the nodes `lorafleet up --nats-nodes` "
+        "starts (at most 3), else 1. More than the cluster has nodes: the streams cannot be created.",
+    )
+
+    def stream_replicas(self) -> int:
+        return self.replicas or 1
 
 
 class FleetConfig(StrictModel):
     """A whole serving cluster: which models it serves and how its parts behave."""
 
-    nats_url: str = "nats://127.0.0.1:4222"
+    nats_url: str = Field(
+        "nats://127.0.0.1:4222",
+        description="NATS server URL, or a comma-separated list of a cluster's servers (a client fails over among "
+        "them).",
+    )
     nats: NatsClientConfig = Field(default_factory=NatsClientConfig)
     bases: list[BaseModelSpec] = Field(default_factory=lambda: [BaseModelSpec(name=PACKAGED_MINILM)])
     models: list[ServedModel] = Field(default_factory=list)

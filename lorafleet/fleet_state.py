@@ -97,8 +97,10 @@ def by_adapter_id(entries: Iterable[FleetEntry]) -> dict[str, ServedModel]:
     return {e.adapter_id: e.served_model() for e in entries}
 
 
-async def ensure_fleet_bucket(js: Any, bucket: str = FLEET_KV_BUCKET) -> Any:
-    """The fleet KV bucket, created if missing (gateways and workers call this at start; idempotent)."""
+async def ensure_fleet_bucket(js: Any, bucket: str = FLEET_KV_BUCKET, *, replicas: int = 1) -> Any:
+    """The fleet KV bucket, created if missing (gateways and workers call this at start; idempotent).
+
+    `replicas`: copies on a JetStream cluster (FleetConfig.nats.replicas); an existing bucket keeps its own."""
     from nats.js.api import KeyValueConfig
     from nats.js.errors import BucketNotFoundError
 
@@ -108,7 +110,7 @@ async def ensure_fleet_bucket(js: Any, bucket: str = FLEET_KV_BUCKET) -> Any:
         pass
     with contextlib.suppress(Exception):  # another process may create it at the same moment
         return await js.create_key_value(
-            KeyValueConfig(bucket=bucket, history=16, description="lorafleet desired fleet state"))
+            KeyValueConfig(bucket=bucket, history=16, description="lorafleet desired fleet state", replicas=replicas))
     return await js.key_value(bucket)
 
 
@@ -156,8 +158,9 @@ class FleetWatcher:
     The callback runs on the event loop with a fresh dict, so it may keep it without copying.
     """
 
-    def __init__(self, js: Any, on_change: OnChange, bucket: str = FLEET_KV_BUCKET) -> None:
+    def __init__(self, js: Any, on_change: OnChange, bucket: str = FLEET_KV_BUCKET, *, replicas: int = 1) -> None:
         self.js = js
+        self.replicas = replicas  # when the bucket is missing and this process creates it
         self.on_change = on_change
         self.bucket = bucket
         self.table: dict[str, FleetEntry] = {}
@@ -166,7 +169,7 @@ class FleetWatcher:
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        kv = await ensure_fleet_bucket(self.js, self.bucket)
+        kv = await ensure_fleet_bucket(self.js, self.bucket, replicas=self.replicas)
         self._watcher = await kv.watchall()
         self._task = asyncio.create_task(self._run(), name="lorafleet-fleet-watch")
 

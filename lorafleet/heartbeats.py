@@ -1,22 +1,34 @@
-"""Listening to worker heartbeats: one subscription helper for the gateway, status, promote and benchmarks.
+"""Heartbeats and presence: what `lorafleet status`, gateways, promote and benchmarks hear of the fleet.
 
-Heartbeats say which workers are alive and what they hold; they are never used for routing (workers
-pull). A malformed heartbeat is dropped quietly: a stray message must not break a listener.
+Worker heartbeats say which workers are alive and what they hold; they are never used for routing
+(workers pull). Presence is smaller and said by every process (workers and gateways): role, host, pid,
+state and how often its supervisor restarted it (`LORAFLEET_RESTARTS`), every `PRESENCE_EVERY_S` on
+`lorafleet.presence.<role>.<name>`, so `lorafleet status` shows a whole cluster from any host that
+can reach NATS, without a local file. A malformed message is dropped quietly: a stray message must
+not break a listener.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
-from collections.abc import Callable
+import os
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
-from lorafleet.wire import HEARTBEAT_PREFIX, Heartbeat, WireError
+from lorafleet.wire import HEARTBEAT_PREFIX, PRESENCE_PREFIX, Heartbeat, WireError, pack, presence_subject, unpack
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_SUBJECT = f"{HEARTBEAT_PREFIX}.>"
+PRESENCE_SUBJECT = f"{PRESENCE_PREFIX}.>"
+PRESENCE_EVERY_S = 1.0  # fixed, so a listener knows how long to listen whatever the fleet file says
+ENV_RESTARTS = "LORAFLEET_RESTARTS"  # set by the local supervisor on a part it restarted
 
 
 async def subscribe(nc: Any, on_heartbeat: Callable[[Heartbeat], None]) -> Any:
@@ -48,6 +60,110 @@ async def collect(nc: Any, listen_s: float, *, until: Callable[[dict[str, Heartb
     try:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(done.wait(), listen_s)
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+    return seen
+
+
+@dataclass(frozen=True, slots=True)
+class Presence:
+    """One process of the fleet, as it describes itself."""
+
+    role: str  # worker | gateway
+    name: str  # worker id, gateway id
+    host: str
+    pid: int
+    state: str  # worker: serving | draining; gateway: ready | not-ready
+    restarts: int = 0
+    started: float = 0.0  # epoch seconds
+    ts: float = field(default_factory=time.time)
+
+    def to_wire(self) -> bytes:
+        return pack({"v": 1, "role": self.role, "name": self.name, "host": self.host, "pid": self.pid,
+                     "state": self.state, "restarts": self.restarts, "started": self.started, "ts": self.ts})
+
+    @classmethod
+    def from_wire(cls, data: bytes) -> Presence:
+        try:
+            d = unpack(data)
+        except Exception as exc:
+            raise WireError(f"presence is not MessagePack: {exc}") from exc
+        if not isinstance(d, dict):
+            raise WireError("presence body is not a map")
+        try:
+            out = cls(str(d["role"]), str(d["name"]), str(d["host"]), int(d["pid"]), str(d["state"]),
+                      int(d.get("restarts", 0)), float(d.get("started", 0.0)), float(d.get("ts", 0.0)))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise WireError(f"presence field missing or of the wrong type: {exc}") from exc
+        return out
+
+
+def restarts_from_env() -> int:
+    try:
+        return max(int(os.environ.get(ENV_RESTARTS, "0")), 0)
+    except ValueError:
+        return 0
+
+
+class Beacon:
+    """Publishes this process's `Presence` every `PRESENCE_EVERY_S` on the event loop, until `stop()`.
+
+    `state()` may be a plain function or a coroutine function; a failed publish (reconnecting) is skipped.
+    """
+
+    def __init__(self, nc: Any, role: str, name: str, state: Callable[[], str | Awaitable[str]],
+                 every_s: float = PRESENCE_EVERY_S) -> None:
+        self.nc, self.role, self.name, self.state, self.every_s = nc, role, name, state, every_s
+        self.subject = presence_subject(role, name)
+        self.host, self.pid, self.restarts = socket.gethostname(), os.getpid(), restarts_from_env()
+        self.started = time.time()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name=f"lorafleet-presence-{self.role}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+            self._task = None
+
+    async def publish(self) -> None:
+        state = self.state()
+        if inspect.isawaitable(state):
+            state = await state
+        p = Presence(self.role, self.name, self.host, self.pid, str(state), self.restarts, self.started)
+        await self.nc.publish(self.subject, p.to_wire())
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.publish()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.debug("presence publish failed: %r", exc)
+            await asyncio.sleep(self.every_s)
+
+
+async def collect_presence(nc: Any, listen_s: float = PRESENCE_EVERY_S * 1.5) -> dict[str, Presence]:
+    """The latest presence of every process heard within `listen_s`, keyed `role/name`."""
+    seen: dict[str, Presence] = {}
+
+    async def handler(msg: Any) -> None:
+        try:
+            p = Presence.from_wire(msg.data)
+        except WireError:
+            log.debug("ignoring a malformed presence on %s", msg.subject)
+            return
+        seen[f"{p.role}/{p.name}"] = p
+
+    sub = await nc.subscribe(PRESENCE_SUBJECT, cb=handler)
+    try:
+        await asyncio.sleep(listen_s)  # listening is the point: every process speaks once per PRESENCE_EVERY_S
     finally:
         with contextlib.suppress(Exception):
             await sub.unsubscribe()

@@ -32,7 +32,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from lorafleet.wire import DLQ_PREFIX, FLEET_KV_BUCKET, HEARTBEAT_PREFIX, INBOX_PREFIX, WORK_PREFIX, subject_token
+from lorafleet.wire import (
+    DLQ_PREFIX,
+    FLEET_KV_BUCKET,
+    HEARTBEAT_PREFIX,
+    INBOX_PREFIX,
+    PRESENCE_PREFIX,
+    WORK_PREFIX,
+    subject_token,
+)
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +99,7 @@ PERMISSIONS: dict[Role, Permissions] = {
             # Self-healing: create the streams and the bucket when missing; never update, purge or delete.
             "$JS.API.STREAM.CREATE.{work}", "$JS.API.STREAM.CREATE.{dlq}", "$JS.API.STREAM.CREATE.{kv}",
             *_KV_READ,
+            f"{PRESENCE_PREFIX}.gateway.>",  # `lorafleet status` from any host
         ),
         subscribe=(_OWN_INBOX, f"{INBOX_PREFIX}.{{me}}.>", f"{HEARTBEAT_PREFIX}.>"),
         allow_responses=True,
@@ -99,6 +108,7 @@ PERMISSIONS: dict[Role, Permissions] = {
         publish=(
             f"{INBOX_PREFIX}.>",  # results to gateways' inboxes (a request: the receipt comes back)
             f"{HEARTBEAT_PREFIX}.>",
+            f"{PRESENCE_PREFIX}.worker.>",
             f"{DLQ_PREFIX}.>",
             "$JS.API.INFO", "$JS.API.STREAM.INFO.{work}", "$JS.API.STREAM.INFO.{dlq}",
             # Create/bind the durable consumer: nats-py sends a durable_name-only config (queue.ensure_consumer)
@@ -119,7 +129,7 @@ PERMISSIONS: dict[Role, Permissions] = {
             *_QUEUE_INFO,
             *_KV_READ,
         ),
-        subscribe=(_OWN_INBOX, f"{HEARTBEAT_PREFIX}.>"),
+        subscribe=(_OWN_INBOX, f"{HEARTBEAT_PREFIX}.>", f"{PRESENCE_PREFIX}.>"),
     ),
 }
 

@@ -4,6 +4,9 @@ A flag (`--creds`, `--tls-ca`, …) wins over the environment (`LORAFLEET_NATS_C
 `LORAFLEET_NATS_TLS_CA`, …), which wins over the fleet file (`FleetConfig.nats`); the CLI falls back
 to its role's file under LORAFLEET_HOME/creds. `ClientSettings.options()` is what `nats.connect`
 takes (`nats_auth.connect_options`: nkey, private inbox, TLS), `env()` what a child process gets.
+
+A NATS URL may name several servers, comma-separated (a JetStream cluster's nodes): `server_urls` turns it
+into the list `nats.connect(servers=...)` takes, and `RECONNECT_OPTIONS` make a client fail over among them.
 """
 
 from __future__ import annotations
@@ -16,6 +19,50 @@ from pathlib import Path
 from typing import Any
 
 from lorafleet.nats_auth import ENV_CREDS, ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KEY, TlsFiles, connect_options
+
+_SCHEMES = ("nats", "tls")
+
+# Failover among a cluster's servers: never give up, and try the next server soon. nats-py moves to the next
+# server of its pool at once; the wait applies only to a server it tried within this many seconds.
+RECONNECT_OPTIONS: dict[str, Any] = {"max_reconnect_attempts": -1, "reconnect_time_wait": 0.5}
+
+
+class NatsUrlError(ValueError):
+    """A --nats-url (or fleet nats_url) that cannot be used; the message says what to fix."""
+
+
+def server_urls(value: str | list[str] | tuple[str, ...]) -> list[str]:
+    """The servers of `--nats-url` / `nats_url`: one URL or a comma-separated list (a cluster's nodes), each
+    `nats://host:port` or `tls://host:port`; a host alone gets nats:// and port 4222. What `nats.connect`
+    takes as `servers`."""
+    items = value if isinstance(value, list | tuple) else str(value).split(",")
+    out: list[str] = []
+    for raw in items:
+        url = raw.strip()
+        if not url:
+            continue
+        if "://" not in url:
+            url = f"nats://{url}"
+        scheme, rest = url.split("://", 1)
+        if scheme not in _SCHEMES:
+            raise NatsUrlError(f"NATS URL {raw.strip()!r}: the scheme must be nats:// or tls://")
+        hostport = rest.rsplit("@", 1)[-1].rstrip("/")
+        if not hostport or "/" in hostport:
+            raise NatsUrlError(f"NATS URL {raw.strip()!r}: expected scheme://host:port")
+        if not hostport.rsplit(":", 1)[-1].isdigit():
+            url = f"{url.rstrip('/')}:4222"
+        if url not in out:
+            out.append(url)
+    if not out:
+        raise NatsUrlError(f"no NATS URL in {value!r}: give nats://host:port, or several separated by commas")
+    if len({u.split("://", 1)[0] for u in out}) > 1:
+        raise NatsUrlError(f"{value!r} mixes nats:// and tls:// servers: use one scheme for the whole cluster")
+    return out
+
+
+def join_urls(urls: list[str]) -> str:
+    """The comma-separated form of several server URLs (what `--nats-url` and `nats_url` accept)."""
+    return ",".join(urls)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +108,9 @@ class ClientSettings:
 
 
 def add_client_arguments(parser: Any) -> None:
-    """--creds and --tls-* for an argparse parser (gateway, worker): flag > environment > fleet file."""
+    """--creds and --tls-* for an argparse parser (gateway, worker): flag > environment > fleet file.
+
+    Their --nats-url takes one URL or a comma-separated list of a cluster's servers (`server_urls`)."""
     parser.add_argument("--creds", default=None, metavar="FILE",
                         help=f"NATS credential file (default: ${ENV_CREDS}, else the fleet file's nats.creds).")
     parser.add_argument("--tls-ca", default=None, metavar="PEM",

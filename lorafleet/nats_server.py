@@ -3,7 +3,8 @@
 The server runs from a config file rendered here (`<store_dir>/nats-server.conf`): listen address,
 JetStream store, no monitoring port, and — when credentials are given — the authorization block
 from `nats_auth` (nkey users with role permissions), optionally TLS. Without credentials it accepts
-anyone, as tests and benchmarks on loopback want.
+anyone, as tests and benchmarks on loopback want. As one node of a JetStream cluster (`ClusterRoutes`,
+see nats_cluster.py) it also gets a server name and a `cluster {}` block: authenticated routes to its peers.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -73,11 +75,41 @@ def _q(s: str | Path) -> str:
     return '"' + str(s).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+@dataclass(frozen=True, slots=True)
+class ClusterRoutes:
+    """One node's place in a JetStream cluster: its name, where it listens for routes, its peers' route
+    addresses (host:port), and the route credential every node of the cluster shares (user, password)."""
+
+    cluster: str
+    server_name: str
+    host: str
+    port: int
+    peers: tuple[str, ...]
+    user: str
+    password: str
+
+
+def cluster_block(routes: ClusterRoutes) -> str:
+    """The `cluster {}` block: routes only from nodes that present the shared route credential (any local
+    process could otherwise join as a node and read every message). No TLS on routes: a local cluster's
+    routes stay on loopback (nats_cluster.py), and its certificate is issued for serving clients only."""
+    auth = f"{routes.user}:{routes.password}@"
+    peers = ", ".join(_q(f"nats-route://{auth}{p}") for p in routes.peers)
+    parts = [f"name: {_q(routes.cluster)}", f"listen: {_q(f'{routes.host}:{routes.port}')}",
+             f"authorization {{ user: {_q(routes.user)}, password: {_q(routes.password)}, timeout: 2 }}",
+             f"routes: [{peers}]"]
+    return "cluster {\n  " + "\n  ".join(parts) + "\n}"
+
+
 def server_config(*, host: str, port: int, store_dir: Path, creds: CredentialSet | None = None,
-                  tls: TlsFiles | None = None, verify_clients: bool = False, layout: Layout = Layout()) -> str:
+                  tls: TlsFiles | None = None, verify_clients: bool = False, layout: Layout = Layout(),
+                  routes: ClusterRoutes | None = None) -> str:
     """The nats-server config file: no monitoring port (it would show connections and subjects to anyone)."""
     lines = ["# Written by lorafleet (nats_server.py) at every start; edits are overwritten.",
              f"listen: {_q(f'{host}:{port}')}", f"jetstream {{ store_dir: {_q(store_dir)} }}"]
+    if routes is not None:
+        lines[1:1] = [f"server_name: {_q(routes.server_name)}"]
+        lines.append(cluster_block(routes))
     if tls is not None:
         if tls.cert is None or tls.key is None:
             raise NatsServerError("a TLS server needs a certificate and its key")
@@ -104,8 +136,10 @@ class NatsServer:
 
     def __init__(self, store_dir: str | Path, port: int | None = None, host: str = "127.0.0.1",
                  log_file: str | Path | None = None, *, creds: str | Path | CredentialSet | None = None,
-                 tls: TlsFiles | None = None, verify_clients: bool = False, layout: Layout = Layout()) -> None:
+                 tls: TlsFiles | None = None, verify_clients: bool = False, layout: Layout = Layout(),
+                 routes: ClusterRoutes | None = None) -> None:
         self.store_dir = Path(store_dir)
+        self.routes = routes  # a node of a JetStream cluster (nats_cluster.NatsCluster), else a lone server
         self.host = host
         self.port = port or free_port(host)
         self.log_file = Path(log_file) if log_file else self.store_dir / "nats-server.log"
@@ -167,7 +201,7 @@ class NatsServer:
             self.credentials = load_credentials(self.creds_dir)
         text = server_config(host=self.host, port=self.port, store_dir=self.store_dir.resolve(),
                              creds=self.credentials, tls=self.tls, verify_clients=self.verify_clients,
-                             layout=self.layout)
+                             layout=self.layout, routes=self.routes)
         tmp = self.config_file.with_suffix(".tmp")
         tmp.write_text(text)
         os.chmod(tmp, 0o600)

@@ -1,7 +1,8 @@
 """The processes of a local cluster, found by what is running rather than by a file that may be stale.
 
 A part of the cluster under LORAFLEET_HOME is recognised by its command line, which names that
-home's files: nats-server runs `-c <home>/nats/nats-server.conf`, workers and the gateway run
+home's files: nats-server runs `-c <home>/nats/nats-server.conf` (node i of a cluster, part
+`nats-server-<i>`: `-c <home>/nats/n<i>/nats-server.conf`), workers and the gateway run
 `-m lorafleet.sidecar|serve --fleet <home>/fleet.yaml`, the supervisor `-m lorafleet.cli up` with
 `--home <home>`. So `lorafleet status` and `down` see a part that was restarted (by the supervisor,
 or by hand with the same config) and never mistake another program for one, even after pid reuse.
@@ -71,7 +72,14 @@ def part_name(cmdline: list[str], home: Path) -> str | None:
     if not cmdline:
         return None
     if Path(cmdline[0]).name == "nats-server":
-        return "nats-server" if _arg(cmdline, "-c") == str(home / NATS_CONFIG) else None
+        config = Path(_arg(cmdline, "-c") or "")
+        if config == home / NATS_CONFIG:
+            return "nats-server"
+        node = config.parent.name  # n<i> of a cluster (nats_cluster.py)
+        if config.name == NATS_CONFIG.name and config.parent.parent == home / NATS_CONFIG.parent \
+                and node[:1] == "n" and node[1:].isdigit():
+            return f"nats-server-{node[1:]}"
+        return None
     module = _arg(cmdline, "-m")
     if module == "lorafleet.cli" and "up" in cmdline:
         return SUPERVISOR if _arg(cmdline, "--home") == str(home) else None
@@ -102,6 +110,7 @@ def find_parts(home: Path) -> dict[str, int]:
 
 
 def stop_order(names: list[str]) -> list[str]:
-    """Supervisor first (so it restarts nothing), then workers (they drain), the gateway, nats-server last."""
-    rank = {SUPERVISOR: 0, "gateway": 2, "nats-server": 3}
-    return sorted(names, key=lambda n: (rank.get(n, 1), n))
+    """Supervisor first (so it restarts nothing), then workers (they drain), the gateway, nats-server (or every
+    node of a cluster) last."""
+    rank = {SUPERVISOR: 0, "gateway": 2}
+    return sorted(names, key=lambda n: (3 if n.startswith("nats-server") else rank.get(n, 1), n))

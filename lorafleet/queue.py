@@ -33,8 +33,10 @@ def _storage(cfg: QueueConfig) -> api.StorageType:
 
 
 def work_stream_config(cfg: QueueConfig, bases: Iterable[str] | None = None,
-                       max_age_s: float | None = None) -> api.StreamConfig:
-    """The work stream; with `bases`, only their subjects (each bounded by max_msgs), else every work subject."""
+                       max_age_s: float | None = None, replicas: int = 1) -> api.StreamConfig:
+    """The work stream; with `bases`, only their subjects (each bounded by max_msgs), else every work subject.
+
+    `replicas` > 1 keeps that many copies on a JetStream cluster (FleetConfig.nats.replicas)."""
     subjects = sorted({work_subject(b) for b in bases}) if bases is not None else [f"{WORK_PREFIX}.>"]
     max_age = max_age_s if max_age_s is not None else cfg.max_age_s
     return api.StreamConfig(
@@ -42,6 +44,7 @@ def work_stream_config(cfg: QueueConfig, bases: Iterable[str] | None = None,
         subjects=subjects,
         retention=api.RetentionPolicy.WORK_QUEUE,
         storage=_storage(cfg),
+        num_replicas=replicas,
         max_msgs=cfg.max_msgs * len(subjects),
         max_msgs_per_subject=cfg.max_msgs,
         max_bytes=cfg.max_bytes,
@@ -55,15 +58,17 @@ def work_stream_config(cfg: QueueConfig, bases: Iterable[str] | None = None,
 
 
 def fleet_work_stream_config(fleet: FleetConfig) -> api.StreamConfig:
-    return work_stream_config(fleet.queue, [b.name for b in fleet.bases], fleet.work_max_age_s())
+    return work_stream_config(fleet.queue, [b.name for b in fleet.bases], fleet.work_max_age_s(),
+                              fleet.nats.stream_replicas())
 
 
-def dlq_stream_config(cfg: QueueConfig) -> api.StreamConfig:
+def dlq_stream_config(cfg: QueueConfig, replicas: int = 1) -> api.StreamConfig:
     return api.StreamConfig(
         name=cfg.dlq_stream,
         subjects=[f"{DLQ_PREFIX}.>"],
         retention=api.RetentionPolicy.LIMITS,
         storage=_storage(cfg),
+        num_replicas=replicas,
         max_age=cfg.dlq_max_age_s,
         discard=api.DiscardPolicy.OLD,
     )
@@ -100,15 +105,15 @@ async def _ensure_stream(js: JetStreamContext, config: api.StreamConfig, update:
 
 
 async def ensure_streams(js: JetStreamContext, cfg: QueueConfig, *, bases: Iterable[str] | None = None,
-                         max_age_s: float | None = None, update: bool = False) -> bool:
+                         max_age_s: float | None = None, update: bool = False, replicas: int = 1) -> bool:
     """The work and dead-letter streams exist (True when one had to be created); `update` reconfigures them."""
-    created = await _ensure_stream(js, work_stream_config(cfg, bases, max_age_s), update)
-    return await _ensure_stream(js, dlq_stream_config(cfg), update) or created
+    created = await _ensure_stream(js, work_stream_config(cfg, bases, max_age_s, replicas), update)
+    return await _ensure_stream(js, dlq_stream_config(cfg, replicas), update) or created
 
 
 async def ensure_fleet_streams(js: JetStreamContext, fleet: FleetConfig, *, update: bool = False) -> bool:
     return await ensure_streams(js, fleet.queue, bases=[b.name for b in fleet.bases],
-                                max_age_s=fleet.work_max_age_s(), update=update)
+                                max_age_s=fleet.work_max_age_s(), update=update, replicas=fleet.nats.stream_replicas())
 
 
 async def wait_for_stream(js: JetStreamContext, name: str, *, poll_s: float = 0.5,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from urllib.parse import urlsplit
 
 # MLflow phones home and starts job runners unless told not to; set before anything imports it.
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -22,6 +23,8 @@ def home() -> Path:
     return path
 
 
+# The fleet `lorafleet up` serves when given none, if present (relative: a checkout of this repository).
+DEFAULT_FLEET = Path("configs/fleet.yaml")
 DATA_SOURCE_FILE = "SOURCE.json"  # written by `lorafleet data fetch`: where the statutes came from
 
 
@@ -65,7 +68,22 @@ def mlflow_tracking_uri() -> str:
     return f"sqlite:///{folder / 'mlflow.db'}"
 
 
-def mlflow_artifact_root() -> str:
+# Tracking URIs answered by an MLflow server, which owns the artifact store: started with
+# `--serve-artifacts` its default root is `mlflow-artifacts:/`, proxied over the same URL, so a worker on
+# another host can download what a trainer logged. A local file root there would strand artifacts here.
+SERVER_SCHEMES = ("http", "https", "databricks")
+
+
+def mlflow_remote() -> bool:
+    """True when MLFLOW_TRACKING_URI names an MLflow server (http(s)://…), not a store on this machine."""
+    return urlsplit(mlflow_tracking_uri()).scheme.lower() in SERVER_SCHEMES
+
+
+def mlflow_artifact_root(sub: str = "") -> str | None:
+    """Where new experiments keep artifacts: a folder under LORAFLEET_HOME/mlflow/artifacts (plus `sub`) for a
+    store on this machine; None for a tracking server, whose own (proxied) artifact root then applies."""
+    if mlflow_remote():
+        return None
     folder = home() / "mlflow" / "artifacts"
     folder.mkdir(parents=True, exist_ok=True)
-    return folder.as_uri()
+    return f"{folder.as_uri()}/{sub}" if sub else folder.as_uri()

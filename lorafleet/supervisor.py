@@ -106,6 +106,7 @@ class Supervisor:
             if now >= part.restart_at and not self._stop.is_set():
                 part.restart_at = None
                 part.started = now
-                self.cluster.respawn(name)
+                # Recorded first: the part starts with its restart count (LORAFLEET_RESTARTS) and tells it.
                 self.cluster.record_restart(name, part.code)
+                self.cluster.respawn(name)
                 self._say(f"{name} restarted")

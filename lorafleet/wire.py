@@ -28,6 +28,7 @@ WIRE_VERSION = 1
 WORK_PREFIX = "lorafleet.work"
 DLQ_PREFIX = "lorafleet.dlq"
 HEARTBEAT_PREFIX = "lorafleet.heartbeat"
+PRESENCE_PREFIX = "lorafleet.presence"  # .<role>.<name>: every process says it runs (heartbeats.Presence)
 INBOX_PREFIX = "_INBOX"
 FLEET_KV_BUCKET = "lorafleet_fleet"
 
@@ -81,6 +82,10 @@ def consumer_name(base: str) -> str:
 
 def heartbeat_subject(worker_id: str) -> str:
     return f"{HEARTBEAT_PREFIX}.{subject_token(worker_id)}"
+
+
+def presence_subject(role: str, name: str) -> str:
+    return f"{PRESENCE_PREFIX}.{subject_token(role)}.{subject_token(name)}"
 
 
 def inbox_prefix(gateway_id: str) -> str:

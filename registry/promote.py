@@ -30,7 +30,7 @@ from lorafleet.fleet_state import (
     put_entry,
 )
 from lorafleet.nats_auth import CREDS_SUFFIX, explain_connect_error
-from lorafleet.nats_client import ClientSettings
+from lorafleet.nats_client import ClientSettings, server_urls
 from lorafleet.nats_server import port_open
 from lorafleet.refs import version_uri
 from lorafleet.registry import store
@@ -114,8 +114,10 @@ async def _connect(url: str, client: ClientSettings | None = None) -> object:
 
     import nats
 
-    parts = urlsplit(url)
-    if not port_open(parts.hostname or "127.0.0.1", parts.port or 4222, timeout=2.0):
+    # A cluster's URL lists its nodes: connect to one that listens.
+    servers = [u for u in server_urls(url)
+               if port_open(urlsplit(u).hostname or "127.0.0.1", urlsplit(u).port or 4222, timeout=2.0)]
+    if not servers:
         raise FleetStateError(f"cannot reach nats-server at {url}: nothing listens there (is the cluster up?)")
 
     async def _quiet(exc: Exception) -> None:
@@ -124,7 +126,7 @@ async def _connect(url: str, client: ClientSettings | None = None) -> object:
     options = (client or ClientSettings()).options()
     try:
         return await asyncio.wait_for(
-            nats.connect(url, connect_timeout=3, allow_reconnect=False, max_reconnect_attempts=0, error_cb=_quiet,
+            nats.connect(servers, connect_timeout=3, allow_reconnect=False, max_reconnect_attempts=0, error_cb=_quiet,
                          **options),
             timeout=6.0)
     except Exception as exc:

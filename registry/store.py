@@ -121,7 +121,7 @@ def _bundle_experiment(c: Any) -> str:
     if exp is not None:
         return exp.experiment_id
     try:
-        return c.create_experiment(BUNDLE_EXPERIMENT, artifact_location=f"{settings.mlflow_artifact_root()}/bundles",
+        return c.create_experiment(BUNDLE_EXPERIMENT, artifact_location=settings.mlflow_artifact_root("bundles"),
                                    tags={"mlflow.experimentKind": "custom_model_development",
                                          "mlflow.note.content": "Bundles registered without a research run "
                                                                 "(`register_bundle` with no run id): one run each."})

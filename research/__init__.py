@@ -17,14 +17,18 @@ one nested run per trial, found again by the tags `lorafleet.study` + `lorafleet
 
 Several processes on one study. Local: start `lorafleet research run CONFIG` more than once (same
 config and --study); each takes the next trial from the shared storage, and the last to finish
-writes the summary. Several machines: give every process the same PostgreSQL storage and MLflow
-tracking server, e.g.
+writes the summary. Several machines: give every process the same PostgreSQL storage (driver:
+`pip install 'lorafleet[postgres]'`) and MLflow tracking server (`mlflow server --serve-artifacts`), e.g.
 
     export MLFLOW_TRACKING_URI=http://mlflow.internal:5000
-    lorafleet research run configs/german-legal.yaml --storage postgresql://user:pw@db/optuna      # machine 1
-    lorafleet research run configs/german-legal.yaml --storage postgresql://user:pw@db/optuna --worker  # others
+    export LORAFLEET_OPTUNA_STORAGE=postgresql+psycopg://user:pw@db:5432/optuna
+    lorafleet research run configs/german-legal.yaml            # machine 1
+    lorafleet research run configs/german-legal.yaml --worker   # others
 
-(`--worker` only runs trials; `LORAFLEET_OPTUNA_STORAGE` can replace --storage). The trial cap counts
+Each trial logs its adapter to its MLflow run (artifact `adapter`); the process that writes the
+summary downloads the winner's adapter from there, so no machine needs another's disk.
+
+(`--worker` only runs trials; `--storage URL` can replace LORAFLEET_OPTUNA_STORAGE). The trial cap counts
 over the whole study, so concurrent processes may overshoot it by at most one trial each. A trial
 whose process dies is noticed at once on the same host (pid check) or, on another host, after
 `grace_s` without heartbeat; it is marked failed and its configuration is queued again.

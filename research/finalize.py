@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from optuna.trial import FrozenTrial
+
 from lorafleet.metrics import prefixed, to_test
 from lorafleet.tasks import beats
 
@@ -19,7 +21,16 @@ from .progress import Progress
 from .report import render_markdown, save_plots
 from .result import ResearchResult
 from .session import Session
-from .study import ATTR_FINALIZED, decode_params, jsonable, study_attr, trial_counts, trials_table, winner_of
+from .study import (
+    ATTR_ADAPTER_ARTIFACT,
+    ATTR_FINALIZED,
+    decode_params,
+    jsonable,
+    study_attr,
+    trial_counts,
+    trials_table,
+    winner_of,
+)
 from .tracking import PARENT_TAG, TAG_DESCRIPTION, TAG_ROLE
 
 ATTR_RESEED = "reseed"
@@ -73,6 +84,19 @@ def _reseed(session: Session, winner_number: int, train_cfg: Any, progress: Prog
     return metrics
 
 
+def winner_adapter(session: Session, trial: FrozenTrial) -> tuple[str, str | None]:
+    """The winning trial's adapter as a folder on this machine, and where it came from (`runs:/RUN/adapter`).
+
+    Taken from the trial's MLflow run: with several processes (or machines) on one study, the trial may have
+    run elsewhere, and the path it recorded is that process's. Trials from before adapters were logged to
+    their runs: that recorded path."""
+    run_id, artifact = trial.user_attrs.get("mlflow_run_id"), trial.user_attrs.get(ATTR_ADAPTER_ARTIFACT)
+    if not run_id or not artifact:
+        return str(trial.user_attrs["adapter_dir"]), None
+    dest = session.dir / "winner" / f"trial-{trial.number:03d}"
+    return str(session.tracker.download_artifacts(run_id, artifact, dest)), f"runs:/{run_id}/{artifact}"
+
+
 def finalize(session: Session, result: ResearchResult, progress: Progress) -> ResearchResult:
     cfg = session.cfg
     study = session.study
@@ -87,7 +111,7 @@ def finalize(session: Session, result: ResearchResult, progress: Progress) -> Re
     else:
         params = decode_params(cfg.space, winner.params)
         train_cfg = apply_params(session.loaded.train_raw, params, session.kind.config_model)
-        adapter_dir = winner.user_attrs["adapter_dir"]
+        adapter_dir, result.winner_adapter_uri = winner_adapter(session, winner)
         progress.note(f"[research] winner on dev: trial #{winner.number} ({objective}={winner.value:.4f}); "
                       "evaluating it on test")
         dev = {k: float(v) for k, v in (winner.user_attrs.get("dev_metrics") or {}).items()}
@@ -108,7 +132,8 @@ def finalize(session: Session, result: ResearchResult, progress: Progress) -> Re
     study.set_user_attr(ATTR_FINALIZED, {"trials": len(study.get_trials(deepcopy=False)), "at": time.time(),
                                          "candidate": result.candidate, "verdict": result.verdict,
                                          "winner_trial": result.winner_trial,
-                                         "winner_adapter_dir": result.winner_adapter_dir})
+                                         "winner_adapter_dir": result.winner_adapter_dir,
+                                         "winner_adapter_uri": result.winner_adapter_uri})
     result.finalized = True
     progress.note(f"[research] {result.verdict}")
     return result
@@ -163,6 +188,7 @@ def _write_summary(session: Session, result: ResearchResult) -> None:
         "lorafleet.candidate": str(result.candidate).lower(), "lorafleet.verdict": result.verdict[:4000],
         "lorafleet.best_trial": "" if result.winner_trial is None else result.winner_trial,
         "lorafleet.winner_adapter_dir": result.winner_adapter_dir or "",
+        "lorafleet.winner_adapter_uri": result.winner_adapter_uri or "",
         "lorafleet.trials": ", ".join(f"{k} {v}" for k, v in result.trials.items()),
     })
     summary = spec.summary({**result.baseline, **result.winner_metrics})

@@ -23,8 +23,8 @@ from lorafleet.tasks import TaskKind
 
 from .config import LoadedConfig, apply_params
 from .progress import Progress
-from .study import decode_params, retry_trial, suggest, worker_id
-from .tracking import Tracker
+from .study import ATTR_ADAPTER_ARTIFACT, decode_params, retry_trial, suggest, worker_id
+from .tracking import ADAPTER_ARTIFACT, Tracker
 
 
 class TrialTimeout(Exception):
@@ -174,7 +174,11 @@ class TrialObjective:
         test = {k: float(v) for k, v in metrics.items() if k.startswith("test_")}
         if test:
             (out_dir / "test_metrics.json").write_text(json.dumps(test))
+        # The adapter goes to the trial's MLflow run too: the process that picks the winner may run on another
+        # machine (a shared study on PostgreSQL) and takes it from there, not from this machine's disk.
+        self.tracker.log_artifacts(run_id, Path(adapter_dir), ADAPTER_ARTIFACT)
         trial.set_user_attr("adapter_dir", adapter_dir)
+        trial.set_user_attr(ATTR_ADAPTER_ARTIFACT, ADAPTER_ARTIFACT)
         trial.set_user_attr("dataset_digest", getattr(result, "dataset_digest", "") or "")
         trial.set_user_attr("dev_metrics", {k: float(v) for k, v in metrics.items() if k.startswith("dev_")})
         self.tracker.set_tags(run_id, {"lorafleet.adapter_dir": adapter_dir,

@@ -25,7 +25,8 @@ class ResearchResult:
     winner_trial: int | None = None
     winner_params: dict[str, Any] = field(default_factory=dict)
     winner_config: dict[str, Any] = field(default_factory=dict)
-    winner_adapter_dir: str | None = None
+    winner_adapter_dir: str | None = None  # on this machine (downloaded from winner_adapter_uri when that is set)
+    winner_adapter_uri: str | None = None  # `runs:/RUN_ID/adapter`: the winning trial's adapter in MLflow
     winner_metrics: dict[str, float] = field(default_factory=dict)  # dev_* and test_* of the winner
     reseed_metrics: dict[str, float] = field(default_factory=dict)  # the same, second seed
     spread: dict[str, float] = field(default_factory=dict)

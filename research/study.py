@@ -1,8 +1,9 @@
 """The Optuna side: storage, study creation with a search-space fingerprint, samplers, pruners,
 and recovery of trials whose process died.
 
-Storage is Optuna's RDB storage: sqlite under LORAFLEET_HOME by default, PostgreSQL (or any
-SQLAlchemy URL) with `--storage` when several machines drive one study. RDB storage is the one
+Storage is Optuna's RDB storage: sqlite under LORAFLEET_HOME by default, PostgreSQL
+(`postgresql+psycopg://user:pw@host:5432/db`, driver from the `postgres` extra) or any SQLAlchemy URL
+with `--storage` when several machines drive one study. RDB storage is the one
 with heartbeats in Optuna 5, which is how a trial on a dead machine is noticed and retried.
 """
 
@@ -19,6 +20,7 @@ from typing import Any
 import optuna
 import psutil
 from optuna.trial import FrozenTrial, TrialState
+from sqlalchemy.exc import SQLAlchemyError
 
 from lorafleet import settings
 from lorafleet.config import ConfigError
@@ -39,6 +41,7 @@ ATTR_PARENT_RUN = "mlflow_parent_run_id"
 ATTR_BASELINE = "baseline"
 ATTR_FINALIZE_CLAIM = "finalize_claim"
 ATTR_FINALIZED = "finalized"
+ATTR_ADAPTER_ARTIFACT = "adapter_artifact"  # trial attr: the artifact path of its adapter in its MLflow run
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
@@ -66,12 +69,35 @@ def make_storage(url: str, cfg: ResearchConfig,
         engine_kwargs["connect_args"] = {"timeout": 60}
     else:
         engine_kwargs["pool_pre_ping"] = True
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # heartbeats are "experimental"
-        return optuna.storages.RDBStorage(
-            url, engine_kwargs=engine_kwargs, heartbeat_interval=cfg.heartbeat_s, grace_period=cfg.grace_s,
-            heartbeat_stale_trial_callback=on_stale,
-        )
+    # Processes on other machines start together against one fresh database and race to create Optuna's
+    # tables (PostgreSQL: a duplicate key in pg_type); the loser finds them made on its next try.
+    attempts = 1 if url.startswith("sqlite") else 4
+    for attempt in range(1, attempts + 1):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # heartbeats: "experimental"
+            try:
+                return optuna.storages.RDBStorage(
+                    url, engine_kwargs=engine_kwargs, heartbeat_interval=cfg.heartbeat_s,
+                    grace_period=cfg.grace_s, heartbeat_stale_trial_callback=on_stale,
+                )
+            except ImportError as exc:  # Optuna wraps the driver's ModuleNotFoundError; name what to install
+                raise StudyError(missing_driver(url, exc)) from exc
+            except SQLAlchemyError as exc:
+                if attempt == attempts:
+                    raise StudyError(f"cannot open Optuna storage {redact(url)}: {type(exc).__name__}: "
+                                     f"{str(exc).splitlines()[0]}") from exc
+                time.sleep(attempt)
+    raise AssertionError("unreachable")  # the loop returns or raises
+
+
+def missing_driver(url: str, exc: ImportError) -> str:
+    """What to install when the database driver of a storage URL cannot be imported."""
+    module = getattr(exc.__cause__, "name", None) or exc.name or "its database driver"
+    where = f"Optuna storage {redact(url)} needs {module}, which is not installed"
+    if url.split(":", 1)[0].split("+", 1)[0] == "postgresql":
+        return (f"{where}: install lorafleet's postgres extra (pip install 'lorafleet[postgres]', psycopg 3) and "
+                "use postgresql+psycopg://USER:PASSWORD@HOST:PORT/DB")
+    return f"{where}: install that driver into lorafleet's environment"
 
 
 def make_sampler(cfg: SamplerConfig, seed_offset: int = 0) -> optuna.samplers.BaseSampler:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import json
+import shutil
 import tempfile
 import time
 import zlib
@@ -42,6 +43,7 @@ TAG_DESCRIPTION = "mlflow.note.content"
 VIEW_TAG_PREFIX = "mlflow.sharedViewState."
 VIEW_KEY = "lorafleet"  # the runs view lorafleet keeps; `?viewStateShareKey=lorafleet` opens it
 TABLE_FILE = "metrics_table.json"
+ADAPTER_ARTIFACT = "adapter"  # a completed trial's adapter in its run (what the summary takes the winner from)
 
 STATE_TO_STATUS = {"complete": "FINISHED", "pruned": "FINISHED", "failed": "FAILED"}
 
@@ -287,6 +289,19 @@ class Tracker:
 
     def log_artifact(self, run_id: str, path: Path, artifact_path: str | None = None) -> None:
         self.client.log_artifact(run_id, str(path), artifact_path)
+
+    def log_artifacts(self, run_id: str, folder: Path, artifact_path: str) -> None:
+        self.client.log_artifacts(run_id, str(folder), artifact_path)
+
+    def download_artifacts(self, run_id: str, artifact_path: str, dest: Path) -> Path:
+        """`artifact_path` of the run into `dest` (replaced): the local folder, from any store the client reaches."""
+        from mlflow.artifacts import download_artifacts
+
+        if dest.exists():
+            shutil.rmtree(dest)
+        dest.mkdir(parents=True)
+        return Path(download_artifacts(run_id=run_id, artifact_path=artifact_path, dst_path=str(dest),
+                                       tracking_uri=self.tracking_uri))
 
     def terminate(self, run_id: str, status: str = "FINISHED") -> None:
         self.client.set_terminated(run_id, status=status)

@@ -10,6 +10,7 @@ import sys
 from lorafleet.config import ConfigError, FleetConfig, load_yaml_model
 from lorafleet.nats_auth import CredentialsError
 from lorafleet.nats_client import add_client_arguments, quiet_tls_noise, settings_from_args
+from lorafleet.threads import GATEWAY_THREADS, pool_env
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -17,7 +18,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 description="Run the lorafleet HTTP gateway (OpenAI-compatible embeddings and "
                                             "chat/completions over NATS).")
     p.add_argument("--fleet", required=True, help="Fleet YAML (see configs/fleet.yaml).")
-    p.add_argument("--nats-url", default=None, help="NATS server URL (default: the fleet's nats_url).")
+    p.add_argument("--nats-url", default=None, help="NATS server URL, or a cluster's URLs comma-separated "
+                   "(nats://h1:4222,nats://h2:4222,…: fails over among them; default: the fleet's nats_url).")
     p.add_argument("--host", default=None, help="Address to listen on (default: the fleet's gateway.host).")
     p.add_argument("--port", type=int, default=None, help="Port to listen on (default: the fleet's gateway.port).")
     p.add_argument("--gateway-id", default=None, help="Stable id for this gateway's reply inbox (default: random).")
@@ -29,8 +31,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    # Large inputs are tokenized in a thread (encode_batch, which releases the GIL): serially, on no extra core.
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # The gateway does no math: one thread per pool (tokenizers, OpenMP, BLAS) leaves the cores to the workers.
+    # Large inputs are tokenized in one thread beside the event loop (encode_batch releases the GIL).
+    os.environ.update(pool_env(GATEWAY_THREADS))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     quiet_tls_noise()
     try:

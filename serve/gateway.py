@@ -25,15 +25,16 @@ from typing import Any
 import nats
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
+from nats.errors import ConnectionReconnectingError, OutboundBufferLimitError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
-from nats.js.errors import APIError, NoStreamResponseError
+from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableError
 
 from lorafleet import heartbeats, wire
 from lorafleet.config import FleetConfig
 from lorafleet.fleet_state import FleetEntry, FleetWatcher, merge_models
 from lorafleet.nats_auth import explain_connect_error, gateway_inbox_prefix
-from lorafleet.nats_client import ClientSettings
+from lorafleet.nats_client import RECONNECT_OPTIONS, ClientSettings, server_urls
 from lorafleet.queue import JS_ERR_STREAM_FULL, ensure_fleet_streams
 from lorafleet.serve.admission import judge
 from lorafleet.serve.auth import ApiKeys, load_api_keys
@@ -51,7 +52,15 @@ from lorafleet.serve.workers import WorkerRegistry
 
 log = logging.getLogger("lorafleet.serve")
 
-_PUBLISH_TIMEOUT_S = 5.0  # cap on one JetStream publish ack (not the deadline: a 1 ms deadline still publishes)
+_PUBLISH_TIMEOUT_S = 2.0  # wait for one JetStream publish ack (not the deadline: a 1 ms deadline still publishes)
+# Through a NATS failover (a node lost: JetStream re-elects the stream's leader in 4-9 s) a publish is retried
+# for at most this long (and never past the request's deadline), with the same Nats-Msg-Id: an attempt that was
+# stored but whose ack was lost is not stored twice (the stream's duplicate window).
+_PUBLISH_RETRY_S = 20.0
+# What a failover looks like to a publisher: no ack in time, no responder (no stream leader yet), JetStream
+# "temporarily unavailable", the connection being re-established.
+_TRANSIENT = (asyncio.TimeoutError, NatsTimeoutError, NoStreamResponseError, ServiceUnavailableError,
+              ConnectionReconnectingError, OutboundBufferLimitError)
 _INLINE_TOKENS_CHARS = 32_768  # inputs longer than this in total are counted in a thread, off the event loop
 
 
@@ -81,10 +90,14 @@ class Gateway:
         self.js: JetStreamContext | None = None
         self.monitor = QueueMonitor(fleet, self.resolver.bases, self.pending.outstanding, self._rewatch_fleet_state)
         self.metrics.watch_queue(self.resolver.bases, self.monitor.backlog, self.workers.service_rate)
+        self.metrics.watch_lag(self.resolver.bases, self.monitor.lag)
+        self._beacon: heartbeats.Beacon | None = None  # presence, for `lorafleet status` from any host
         # Results arrive on `_INBOX.<credential's public key>.<gateway id>.<request id>`: only this credential
         # may subscribe there (docs/security.md).
         self._inbox = gateway_inbox_prefix(self.gateway_id, self.client.creds) + "."
         self._subjects = {b: wire.work_subject(b) for b in self.resolver.bases}
+        # Bases whose workers an autoscaler starts from the queue lag: their tasks may wait for a first worker.
+        self._scale_to_zero = {b.name for b in fleet.bases if b.scale_to_zero}
         self._retry_after = {"Retry-After": str(self.cfg.retry_after_s)}
         self._connector: asyncio.Task[None] | None = None
         self._fleet_watch: FleetWatcher | None = None
@@ -112,6 +125,8 @@ class Gateway:
 
     async def stop(self) -> None:
         await self.monitor.stop()
+        if self._beacon is not None:
+            await self._beacon.stop()
         if self._fleet_watch is not None:
             await self._fleet_watch.stop()
         if self._token_pool is not None:
@@ -136,10 +151,9 @@ class Gateway:
 
     async def _connect_once(self) -> None:
         nc = await nats.connect(
-            self.nats_url,
+            server_urls(self.nats_url),  # one server, or a cluster's: fail over among them
             name=f"lorafleet-gateway-{self.gateway_id}",
-            max_reconnect_attempts=-1,  # reconnect forever, also on the first connect
-            reconnect_time_wait=0.5,
+            **RECONNECT_OPTIONS,  # reconnect forever, also on the first connect
             connect_timeout=2,
             error_cb=self._on_nats_error,
             disconnected_cb=self._on_disconnected,
@@ -154,6 +168,11 @@ class Gateway:
         await self._ensure_streams()  # before the fleet watch: a brand-new server has neither yet
         await self._watch_fleet_state(js)
         self.monitor.start(js)
+        self._beacon = heartbeats.Beacon(nc, "gateway", self.gateway_id, self._presence_state)
+        self._beacon.start()
+
+    async def _presence_state(self) -> str:
+        return "ready" if (await self.readiness())[0] else "not-ready"
 
     async def _rewatch_fleet_state(self) -> None:
         """The streams were lost (a memory store restarted): the fleet bucket may be gone with them."""
@@ -172,7 +191,7 @@ class Gateway:
             log.info("fleet state: serving %s", ", ".join(self.resolver.served_names()))
 
         try:
-            self._fleet_watch = FleetWatcher(js, on_change)
+            self._fleet_watch = FleetWatcher(js, on_change, replicas=self.fleet.nats.stream_replicas())
             await self._fleet_watch.start()
         except Exception as exc:  # the fleet file's models still work without it
             log.warning("cannot watch the fleet state bucket: %r; serving the fleet file's models only", exc)
@@ -277,7 +296,7 @@ class Gateway:
         if nc is None or js is None or not nc.is_connected:
             raise ApiError(503, "queue_unavailable", "the gateway is not connected to NATS; retry shortly",
                            self._retry_after)
-        if not self.workers.serves(base):
+        if not self.workers.serves(base) and base not in self._scale_to_zero:
             raise ApiError(
                 503, "no_worker",
                 f"no live worker serves base model {base!r} (no heartbeat within "
@@ -305,17 +324,15 @@ class Gateway:
         ]
         pending = self.pending.add(request_id, route.base, n, deadline_s)  # before publishing: replies may be fast
         try:
-            timeout = _PUBLISH_TIMEOUT_S
             if n == 1:  # the common case: skip gather's extra task
                 try:
-                    await js.publish(subject, payloads[0], timeout=timeout, headers={wire.HDR_MSG_ID: ids[0]})
+                    await self._publish(js, subject, payloads[0], ids[0], pending, deadline_s)
                 except Exception as exc:
                     raise self._publish_error(exc, deadline_s, pending) from exc
             else:
                 # All publishes in flight at once: one awaited publish after another is ~5x slower.
                 outcomes = await asyncio.gather(
-                    *[js.publish(subject, p, timeout=timeout, headers={wire.HDR_MSG_ID: ids[i]})
-                      for i, p in enumerate(payloads)],
+                    *[self._publish(js, subject, p, ids[i], pending, deadline_s) for i, p in enumerate(payloads)],
                     return_exceptions=True,
                 )
                 for out in outcomes:
@@ -371,14 +388,33 @@ class Gateway:
             stream = self.streams[request_id] = TextStream()
         generation = Generation(self, request_id, pending, deadline_s, stream)
         try:
-            await js.publish(self._subjects[route.base], payload, timeout=_PUBLISH_TIMEOUT_S,
-                             headers={wire.HDR_MSG_ID: task_id})
+            await self._publish(js, self._subjects[route.base], payload, task_id, pending, deadline_s)
         except Exception as exc:
             error = self._publish_error(exc, deadline_s, pending)
             generation.close()
             raise error from exc
         self.metrics.published(route.base, 1)
         return generation
+
+    async def _publish(self, js: JetStreamContext, subject: str, payload: bytes, task_id: str, pending: Any,
+                       deadline_s: float) -> None:
+        """Publish one task, retrying through a failover (see _PUBLISH_RETRY_S) with the same Nats-Msg-Id."""
+        headers = {wire.HDR_MSG_ID: task_id}
+        give_up = time.monotonic() + min(_PUBLISH_RETRY_S, deadline_s)
+        delay = 0.05
+        while True:
+            try:
+                await js.publish(subject, payload, timeout=_PUBLISH_TIMEOUT_S, headers=headers)
+                return
+            except _TRANSIENT as exc:
+                full = isinstance(exc, APIError) and exc.err_code in JS_ERR_STREAM_FULL  # a 503 too: answer 429 now
+                if full or pending.future.done() or time.monotonic() + delay >= give_up:
+                    raise
+                if isinstance(exc, NoStreamResponseError):
+                    self.monitor.trigger()  # no leader yet, or the stream is gone: the monitor re-creates a lost one
+                log.debug("publish of task %s retried after %r", task_id, exc)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
 
     def _admit(self, base: str, n: int, deadline_s: float) -> None:
         """429 when the backlog ahead, at the workers' measured rate, leaves no room within the deadline."""
@@ -434,8 +470,10 @@ class Gateway:
         for base in self.resolver.bases:
             queue = self.monitor.queues[base]
             consumer = connected and self.monitor.read_ok and self.monitor.consumer_present(base)
+            cold = base in self._scale_to_zero and live[base] == 0  # its tasks wait in the stream for a worker
             bases[base] = {"consumer": consumer, "workers": live[base], "pulling": queue.pulling,
-                           "ready": consumer and live[base] > 0 and queue.pulling}
+                           "scale_to_zero": base in self._scale_to_zero,
+                           "ready": cold or (consumer and live[base] > 0 and queue.pulling)}
         ready = connected and self.monitor.stream_exists and all(b["ready"] for b in bases.values())
         return ready, {
             "ready": ready,

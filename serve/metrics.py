@@ -7,6 +7,8 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from lorafleet.wire import consumer_name
+
 # Names, for dashboards and the report.
 REQUESTS = "lorafleet_gateway_requests"  # _total{route, model, code}
 REQUEST_SECONDS = "lorafleet_gateway_request_seconds"  # histogram{route}
@@ -18,6 +20,12 @@ TASKS_PUBLISHED = "lorafleet_gateway_tasks_published"  # _total{base}
 REFUSED = "lorafleet_gateway_refused"  # _total{base}: 429 from admission control
 BACKLOG = "lorafleet_gateway_backlog_tasks"  # gauge{base}: tasks ahead of a new request
 SERVICE_RATE = "lorafleet_gateway_service_rate"  # gauge{base}: tasks/s the live workers complete (-1: unknown)
+# gauge{base, consumer}: num_pending + num_ack_pending of the base's durable consumer, as JetStream reported it at
+# the last read (what KEDA's nats-jetstream trigger scales on, for Prometheus-based autoscalers and dashboards)
+CONSUMER_LAG = "lorafleet_gateway_consumer_lag"
+
+NAMES = (REQUESTS, REQUEST_SECONDS, QUEUE_WAIT_SECONDS, BATCH_SIZE, TASKS_IN_FLIGHT, DROPPED_RESULTS,
+         TASKS_PUBLISHED, REFUSED, BACKLOG, SERVICE_RATE, CONSUMER_LAG)
 
 _LATENCY_BUCKETS = (0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2,
                     0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
@@ -45,6 +53,8 @@ class GatewayMetrics:
         self.backlog = Gauge(BACKLOG, "Tasks queued or being computed ahead of a new request.", ["base"], registry=r)
         self.service_rate = Gauge(SERVICE_RATE, "Tasks per second the live workers of a base complete (-1: not "
                                   "measured yet).", ["base"], registry=r)
+        self.consumer_lag = Gauge(CONSUMER_LAG, "Tasks of a base's consumer not yet acked (waiting + delivered), "
+                                  "from JetStream at the last read.", ["base", "consumer"], registry=r)
         # Computed at scrape time from the pending table: zero cost on the request path.
         self.tasks_in_flight = Gauge(TASKS_IN_FLIGHT, "Tasks published and still awaiting their result.",
                                      registry=r)
@@ -86,6 +96,11 @@ class GatewayMetrics:
         for base in bases:
             self.backlog.labels(base).set_function(lambda b=base: backlog(b))
             self.service_rate.labels(base).set_function(lambda b=base: -1.0 if (v := rate(b)) is None else v)
+
+    def watch_lag(self, bases: Any, lag: Callable[[str], float]) -> None:
+        """Consumer lag per base, read at scrape time from the queue monitor's last read."""
+        for base in bases:
+            self.consumer_lag.labels(base, consumer_name(base)).set_function(lambda b=base: lag(b))
 
     def refused(self, base: str) -> None:
         self.refused_requests.labels(base).inc()

@@ -55,6 +55,11 @@ class QueueMonitor:
         q = self.queues.get(base)
         return (q.others if q is not None else 0) + self.outstanding(base)
 
+    def lag(self, base: str) -> int:
+        """The consumer's own count at the last read (waiting + delivered, not acked): every gateway's tasks."""
+        q = self.queues.get(base)
+        return q.consumer.backlog if q is not None else 0
+
     def consumer_present(self, base: str) -> bool:
         q = self.queues.get(base)
         return bool(self.stream_exists and q is not None and q.consumer.exists)

@@ -10,6 +10,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 from lorafleet.adapters import AdapterUnavailable, resolve_adapter_uri
 from lorafleet.sidecar.runtime import Runtime
@@ -48,14 +49,23 @@ class LruSet:
         self._keys.pop(key, None)
 
 
+class AdapterEvents(Protocol):
+    """Told of every load and eviction, with the number of adapters held after it (metrics.AdapterEvents)."""
+
+    def loaded(self, held: int) -> None: ...
+
+    def evicted(self, held: int) -> None: ...
+
+
 class AdapterCache:
     """Keeps at most `max_adapters` adapters loaded on one runtime; loads on demand, evicts LRU."""
 
     def __init__(self, runtime: Runtime, max_adapters: int,
-                 resolve: Callable[[str], Path] = resolve_adapter_uri) -> None:
+                 resolve: Callable[[str], Path] = resolve_adapter_uri, events: AdapterEvents | None = None) -> None:
         self.runtime = runtime
         self.lru = LruSet(max_adapters)
         self.resolve = resolve
+        self.events = events
 
     def ensure(self, adapter_id: str, uri: str | None) -> bool:
         """Make `adapter_id` loaded and most recent; True when it had to be loaded now."""
@@ -71,8 +81,12 @@ class AdapterCache:
             log.info("evicting adapter %s (LRU, max_adapters=%d)", victim, self.lru.capacity)
             self.lru.discard(victim)
             self.runtime.unload_adapter(victim)
+            if self.events is not None:
+                self.events.evicted(len(self.lru))
         self.runtime.load_adapter(adapter_id, str(path))
         self.lru.touch(adapter_id)
+        if self.events is not None:
+            self.events.loaded(len(self.lru))
         return True
 
     def loaded(self) -> list[str]:

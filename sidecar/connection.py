@@ -27,7 +27,9 @@ import nats
 
 from lorafleet.config import FleetConfig
 from lorafleet.fleet_state import FleetWatcher
+from lorafleet.heartbeats import Beacon
 from lorafleet.nats_auth import explain_connect_error
+from lorafleet.nats_client import RECONNECT_OPTIONS, server_urls
 from lorafleet.queue import consumer_config
 from lorafleet.sidecar.acks import Situation
 from lorafleet.sidecar.batcher import Batch, ProfileFor
@@ -71,6 +73,7 @@ class NatsSide:
         self.stop_requested = False
         self.batches_done = 0
         self.on_fleet_state: Callable[[dict[str, Any]], None] | None = None  # set by the worker
+        self.on_settled: Callable[[str, str], None] | None = None  # (base, outcome) per task: the worker's metrics
         self._stopping = False
         self._last_error: BaseException | None = None
         self._last_error_logged = 0.0
@@ -177,7 +180,7 @@ class NatsSide:
         setup.result()
         self.owners = OwnerTracker(self.nc.request, self.fleet.worker.orphan_grace_s)
         self._settler = Settler(self.nc, self.js, self.fleet.queue, self.worker_id, self.held, self.dims,
-                                owners=self.owners)
+                                owners=self.owners, on_settled=self.on_settled)
         self.streams = TextStreams(self.nc, self.worker_id)
         log.info("connected to %s; consumers ready for %s", self.nats_url, ", ".join(self.bases))
         if self.on_fleet_state is not None:  # promoted bundles: URIs and profiles per adapter id
@@ -207,6 +210,8 @@ class NatsSide:
                                self.streams, lambda: self._stopping, self._keeper.pull_failed, self._fatal)
             await self._publish_heartbeat(0.0)  # the launcher waits for this one to call the worker ready
             log.info("serving %s", ", ".join(self.bases))
+            beacon = Beacon(self.nc, "worker", self.worker_id, lambda: "draining" if self._stopping else "serving")
+            beacon.start()  # `lorafleet status` from any host; cancelled with the keep-alives below
             background = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._progress_loop()),
                           asyncio.create_task(self._keeper.run()), asyncio.create_task(self.streams.watch())]
             if self._scheduler is not None:
@@ -216,6 +221,8 @@ class NatsSide:
         for t in background:
             t.cancel()
         await asyncio.gather(*background, return_exceptions=True)
+        if served:
+            await beacon.stop()
         await self.engines.close()
         if served:
             await self._publish_heartbeat(0.0)  # last word: draining=True, in_flight 0
@@ -231,7 +238,7 @@ class NatsSide:
     async def _connect(self) -> Any:
         """Connect, giving up after CONNECT_TIMEOUT_S or as soon as a stop is requested."""
         connect = asyncio.ensure_future(nats.connect(
-            self.nats_url, name=f"lorafleet-worker-{self.worker_id}", max_reconnect_attempts=-1,
+            server_urls(self.nats_url), name=f"lorafleet-worker-{self.worker_id}", **RECONNECT_OPTIONS,
             error_cb=self._on_error, disconnected_cb=self._on_disconnect, reconnected_cb=self._on_reconnect,
             **self.client_options,
         ))

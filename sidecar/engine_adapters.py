@@ -17,18 +17,21 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lorafleet.adapters import AdapterUnavailable
+from lorafleet.sidecar.adapters import AdapterEvents
 from lorafleet.sidecar.runtime import EngineRuntime
 
 log = logging.getLogger(__name__)
 
 
 class EngineAdapters:
-    def __init__(self, runtime: EngineRuntime, capacity: int, resolve: Callable[[str], Path]) -> None:
+    def __init__(self, runtime: EngineRuntime, capacity: int, resolve: Callable[[str], Path],
+                 events: AdapterEvents | None = None) -> None:
         if capacity < 1:
             raise ValueError("capacity must be at least 1")
         self.runtime = runtime
         self.capacity = capacity
         self.resolve = resolve
+        self.events = events  # loads and evictions, for the worker's metrics
         self._loaded: OrderedDict[str, int] = OrderedDict()  # adapter id → sequences using it, LRU order
         self._loading: dict[str, asyncio.Future[None]] = {}
         self.changed = False  # set on every load and eviction (heartbeats list the loaded adapters)
@@ -77,6 +80,10 @@ class EngineAdapters:
             del self._loaded[victim]
             self.changed = True
             await self.runtime.unload_adapter(victim)
+            if self.events is not None:
+                self.events.evicted(len(self._loaded))
         await self.runtime.load_adapter(adapter_id, str(path))
         self._loaded[adapter_id] = 0
         self.changed = True
+        if self.events is not None:
+            self.events.loaded(len(self._loaded))

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -150,11 +150,13 @@ class Settler:
     """Replies and settles tasks for one worker connection."""
 
     def __init__(self, nc: Any, js: Any, queue: QueueConfig, worker_id: str, held: HeldTable,
-                 dims: dict[str, int], owners: Any = None) -> None:
+                 dims: dict[str, int], owners: Any = None,
+                 on_settled: Callable[[str, str], None] | None = None) -> None:
         self.nc, self.js, self.queue, self.worker_id = nc, js, queue, worker_id
         self.held = held
         self.dims = dims
         self.owners = owners  # owners.OwnerTracker: learns from each reply whether its gateway listens
+        self.on_settled = on_settled  # (base, situation) of every settled task: the worker's metrics
         self.tasks_done = 0
 
     async def complete(self, batch: Batch, outcomes: Sequence[Outcome], started: float) -> None:
@@ -255,6 +257,8 @@ class Settler:
             log.error("settling a task (%s) failed: %s", situation.value, exc)
         finally:
             self.held.discard(msg)
+            if self.on_settled is not None:
+                self.on_settled(base or msg.subject.rsplit(".", 1)[-1], situation.value)
 
     async def _dead_letter(self, msg: Any, base: str, reason: str, deliveries: int) -> bool:
         headers = {

@@ -16,6 +16,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -30,6 +31,7 @@ from lorafleet.sidecar.batcher import Batch
 from lorafleet.sidecar.connection import NatsSide
 from lorafleet.sidecar.engine_adapters import EngineAdapters
 from lorafleet.sidecar.generation import generate_batch
+from lorafleet.sidecar.metrics import MetricsServer, WorkerMetrics
 from lorafleet.sidecar.runtime import EngineRuntime, Runtime, create_runtime
 from lorafleet.sidecar.settle import Outcome
 from lorafleet.wire import GENERATE
@@ -172,11 +174,13 @@ class Computer:
 
 
 def run_worker(fleet: FleetConfig, *, nats_url: str | None = None, worker_id: str | None = None,
-               bases: list[str] | None = None, client_options: dict[str, Any] | None = None) -> int:
+               bases: list[str] | None = None, client_options: dict[str, Any] | None = None,
+               metrics_addr: tuple[str, int] | None = None) -> int:
     """Serve until SIGTERM/SIGINT; returns the process exit code. Must run in the main thread.
 
     `client_options`: keyword arguments for `nats.connect` (credential, TLS), from
-    `nats_client.ClientSettings`; None connects without credentials.
+    `nats_client.ClientSettings`; None connects without credentials. `metrics_addr` (host, port): serve
+    Prometheus metrics on `/metrics` there (port 0: any free port, logged); None: nothing listens.
     """
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("run_worker must run in the main thread (inference and signal handling live there)")
@@ -185,6 +189,15 @@ def run_worker(fleet: FleetConfig, *, nats_url: str | None = None, worker_id: st
     lookup = FleetLookup(fleet)
     side = NatsSide(fleet, nats_url or fleet.nats_url, worker_id, serve, lookup.profile_for, client_options)
     side.on_fleet_state = lookup.apply_fleet_state
+    metrics = WorkerMetrics(serve)
+    side.on_settled = metrics.task_settled
+    server: MetricsServer | None = None
+    if metrics_addr is not None:
+        try:
+            server = MetricsServer(metrics, *metrics_addr)
+        except OSError as exc:
+            raise ConfigError(str(exc)) from exc
+        log.info("metrics on %s", server.url)
     signals = {"count": 0}
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -197,13 +210,15 @@ def run_worker(fleet: FleetConfig, *, nats_url: str | None = None, worker_id: st
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return _serve(fleet, side, serve, lookup, signals)
+        return _serve(fleet, side, serve, lookup, metrics)
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+        if server is not None:
+            server.close()
 
 
-def _serve(fleet: FleetConfig, side: NatsSide, serve: list[str], lookup: FleetLookup, signals: dict[str, int]) -> int:
+def _serve(fleet: FleetConfig, side: NatsSide, serve: list[str], lookup: FleetLookup, metrics: WorkerMetrics) -> int:
     log.info("worker %s starting for %s (nats %s)", side.worker_id, ", ".join(serve), side.nats_url)
     side.start()  # connects while the models load
     runtimes: dict[str, Runtime] = {}
@@ -230,10 +245,13 @@ def _serve(fleet: FleetConfig, side: NatsSide, serve: list[str], lookup: FleetLo
         log.error("could not set up NATS at %s: %s", side.nats_url, side.error)
         return 1
     policy = adapter_policy(fleet)
-    caches = {b: AdapterCache(rt, fleet.worker.max_adapters, resolve=policy.resolve) for b, rt in runtimes.items()}
+    caches = {b: AdapterCache(rt, fleet.worker.max_adapters, resolve=policy.resolve,
+                              events=metrics.adapter_events(b)) for b, rt in runtimes.items()}
     computer = Computer(runtimes, caches, lookup, side)
+    metrics.watch(lambda: len(side.held), {b: _engine_slots(side, b) for b in engines})
     side.start_serving({b: rt.dim for b, rt in runtimes.items() if "embed" in rt.capabilities},
-                       {b: (rt, EngineAdapters(rt, fleet.worker.max_adapters, policy.resolve))
+                       {b: (rt, EngineAdapters(rt, fleet.worker.max_adapters, policy.resolve,
+                                               events=metrics.adapter_events(b)))
                         for b, rt in engines.items()},
                        lookup.uri_for)
     batches = tasks = 0
@@ -249,7 +267,9 @@ def _serve(fleet: FleetConfig, side: NatsSide, serve: list[str], lookup: FleetLo
             break
         t0 = time.perf_counter()
         outcomes, started = computer.run(batch)
-        busy_s += time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        busy_s += took
+        metrics.batch_done(batch.base, len(batch), took)
         if computer.adapters_changed:
             computer.adapters_changed = False
             side.adapters_snapshot = computer.snapshot()
@@ -265,3 +285,13 @@ def _serve(fleet: FleetConfig, side: NatsSide, serve: list[str], lookup: FleetLo
     if side.error is not None:
         return 1
     return 0
+
+
+def _engine_slots(side: NatsSide, base: str) -> Callable[[], tuple[int, int]]:
+    """(slots in use, slots) of an engine base's lane, read at scrape time; (0, 0) before it exists."""
+
+    def read() -> tuple[int, int]:
+        lane = side.engines.lanes.get(base)
+        return (lane.in_use, lane.slots) if lane is not None else (0, 0)
+
+    return read

@@ -13,7 +13,8 @@ research_app = typer.Typer(
 )
 
 _STORAGE_HELP = ("Optuna storage URL (default: sqlite under LORAFLEET_HOME/optuna, or $LORAFLEET_OPTUNA_STORAGE). "
-                 "Use postgresql://… to drive one study from several machines.")
+                 "Use postgresql+psycopg://USER:PASSWORD@HOST:PORT/DB (pip install 'lorafleet[postgres]') to drive "
+                 "one study from several machines, with MLFLOW_TRACKING_URI naming one MLflow server.")
 
 
 def _fail(exc: Exception) -> None:

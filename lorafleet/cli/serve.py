@@ -11,7 +11,8 @@ from pathlib import Path
 
 import typer
 
-DEFAULT_FLEET = Path("configs/fleet.yaml")
+from lorafleet.cli.status import status
+from lorafleet.settings import DEFAULT_FLEET
 
 
 def _fail(message: str, code: int = 1) -> None:
@@ -33,6 +34,14 @@ def up(
     home: Path = typer.Option(None, "--home", help="LORAFLEET_HOME for this cluster (default: $LORAFLEET_HOME)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address nats-server and the gateway listen on (0.0.0.0: "
                              "every interface, for workers on other hosts: keep authentication on, add --tls)."),
+    worker_threads: int = typer.Option(None, "--worker-threads", min=1, help="torch threads per worker (default: "
+                                       "the fleet's worker.threads, else OMP_NUM_THREADS, else this host's CPUs "
+                                       "divided among the workers; the gateway always uses one)."),
+    nats_nodes: int = typer.Option(1, "--nats-nodes", min=1, help="nats-server processes: 1, or 3 (or more) for "
+                                   "a JetStream cluster on this host (routes on --host, authenticated; one store "
+                                   "each) whose streams and fleet bucket keep 3 replicas (the fleet's "
+                                   "nats.replicas), so the fleet keeps serving when a node dies. Workers and "
+                                   "the gateway get every node's URL (--nats-url a,b,c) and fail over."),
 ) -> None:
     """Start a local cluster: nats-server (authentication on), N workers and the gateway, supervised."""
     from lorafleet import settings
@@ -44,14 +53,15 @@ def up(
     if fleet is None and DEFAULT_FLEET.is_file():
         fleet = DEFAULT_FLEET
     if detach:
-        _up_detached(workers, port, fleet, timeout, tls, insecure_no_auth, settings.home(), host)
+        _up_detached(workers, port, fleet, timeout, tls, insecure_no_auth, settings.home(), host, worker_threads,
+                     nats_nodes)
         return
     try:
         cfg = load_fleet(fleet)
         cluster = LocalCluster(cfg, workers=workers, port=port, host=host, auth=not insecure_no_auth, tls=tls,
                                supervise=True,
                                on_event=lambda text: typer.secho(text, err=True, fg=typer.colors.YELLOW),
-                               supervisor_pid=os.getpid())
+                               supervisor_pid=os.getpid(), worker_threads=worker_threads, nats_nodes=nats_nodes)
         t0 = time.monotonic()
         cluster.start(timeout=timeout, progress=True)
     except (ConfigError, ClusterError) as exc:
@@ -62,6 +72,7 @@ def up(
     typer.echo(f"  NATS {cluster.nats_url}: " + (f"credentials in {cluster.home / 'creds'}" if not insecure_no_auth
                                                    else "NO AUTHENTICATION (--insecure-no-auth)"))
     typer.echo(f"  try: lorafleet embed --model {cfg.bases[0].name} 'Der Käufer zahlt den Kaufpreis.'")
+    typer.echo(f"  threads: {cluster.threads.describe()}")
     typer.echo(f"  state and logs: {cluster.home}")
     typer.echo("  press Ctrl-C to stop")
     stop = {"now": False}
@@ -81,7 +92,7 @@ def up(
 
 
 def _up_detached(workers: int, port: int | None, fleet: Path | None, timeout: float, tls: bool, insecure: bool,
-                 home: Path, host: str) -> None:
+                 home: Path, host: str, worker_threads: int | None, nats_nodes: int = 1) -> None:
     """`up` again in its own session (the supervisor, logging to logs/supervisor.log); return once it is ready."""
     import subprocess
 
@@ -94,6 +105,8 @@ def _up_detached(workers: int, port: int | None, fleet: Path | None, timeout: fl
     if fleet is not None:
         argv += ["--fleet", str(fleet.resolve())]
     argv += ["--tls"] if tls else []
+    argv += ["--worker-threads", str(worker_threads)] if worker_threads else []
+    argv += ["--nats-nodes", str(nats_nodes)] if nats_nodes != 1 else []
     argv += ["--insecure-no-auth"] if insecure else []
     (home / "logs").mkdir(parents=True, exist_ok=True)
     log_path = home / "logs" / "supervisor.log"
@@ -129,62 +142,6 @@ def down(timeout: float = typer.Option(30.0, help="Seconds workers get to finish
         _fail(str(exc))
         return
     typer.echo(f"stopped: {', '.join(stopped) if stopped else 'nothing was running'}")
-
-
-def status(as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
-    """Processes (found running, with restarts), workers, models, adapters, queue depth of the local cluster."""
-    import asyncio
-
-    from lorafleet import settings
-    from lorafleet.cluster import ClusterError, ClusterState, collect_status
-    from lorafleet.cluster_state import processes
-    from lorafleet.config import FleetConfig, load_yaml_model
-
-    home = settings.home()
-    try:
-        state = ClusterState.load(home)
-        fleet = load_yaml_model(FleetConfig, state.fleet_file)
-    except ClusterError as exc:
-        _fail(str(exc))
-        return
-    procs = processes(home, state)
-    try:
-        info = asyncio.run(collect_status(state, fleet))
-    except (ClusterError, OSError, TimeoutError) as exc:
-        info = {"workers": {}, "queue": {"error": str(exc)}}
-    info["processes"] = procs
-    info["gateway_url"] = state.gateway_url
-    if as_json:
-        typer.echo(json.dumps(info, indent=2, default=str))
-        return
-    typer.echo(f"gateway {state.gateway_url}   nats {state.nats_url}{'' if state.auth else '  (no authentication)'}")
-    typer.echo("processes:")
-    for name, p in procs.items():
-        restarts = f"  restarted {p['restarts']}x (last exit {p['last_exit']})" if p["restarts"] else ""
-        typer.echo(f"  {name:<14} " + (f"pid {p['pid']:<8} running" if p["alive"] else f"{'':<12} stopped")
-                   + restarts)
-    typer.echo("workers (from heartbeats):")
-    if not info["workers"]:
-        typer.echo("  none seen in the last 1.5 s")
-    for name, hb in info["workers"].items():
-        adapters = ", ".join(f"{b}: {a}" for b, a in hb["adapters"].items() if a) or "none"
-        rates = ", ".join(f"{b} {r:.0f}/s" for b, r in hb.get("service_rates", {}).items()) or "not measured"
-        engines = "".join(f"  {b}: {hb['slots_used'].get(b, 0)}/{n} sequences, KV cache "
-                          f"{100 * hb.get('kv_cache', {}).get(b, 0.0):.0f}%" for b, n in hb.get("slots", {}).items())
-        typer.echo(
-            f"  {name:<14} bases {', '.join(hb['bases']) or '(none pulling)'}  adapters {adapters}  in flight "
-            f"{hb['in_flight']}  {hb['batches_per_s']:.1f} batches/s  rate {rates}  done {hb['tasks_done']}"
-            f"{engines}{'  draining' if hb['draining'] else ''}"
-        )
-    typer.echo("queue (per consumer):")
-    queue = info["queue"]
-    if "error" in queue:
-        typer.echo(f"  unavailable: {queue['error']}")
-    for consumer, q in queue.items():
-        if consumer == "error":
-            continue
-        typer.echo(f"  {consumer:<30} waiting {q['pending']}  unacked {q['ack_pending']}  "
-                   f"redelivered {q['redelivered']}")
 
 
 def embed(

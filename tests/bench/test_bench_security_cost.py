@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lorafleet.bench.serve import security_cost
+from lorafleet.bench.serve_report import security_cost
 
 
 def _pts(c1_p50: float, c32_rps: float) -> dict[int, dict[str, float]]:

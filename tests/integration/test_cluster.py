@@ -10,6 +10,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import msgpack
@@ -117,6 +118,14 @@ def test_base64_encoding_matches_float(cluster: LocalCluster) -> None:
     assert cosine(decoded, np.array(f["data"][0]["embedding"])) > 0.99999
 
 
+def test_worker_runs_with_its_share_of_the_host(cluster: LocalCluster) -> None:
+    """`up` passes each worker its thread count (lorafleet/threads.py) and the worker sizes torch with it."""
+    n = cluster.threads.worker
+    assert cluster._argv["worker-1"][-2:] == ["--threads", str(n)]
+    log = (cluster.home / "logs" / "worker-1.log").read_text()
+    assert f"threads: {n} torch thread(s) per worker" in log
+
+
 def test_two_adapters_one_worker(cluster: LocalCluster, reference: dict[str, np.ndarray]) -> None:
     """One worker serves the base and two adapters of it, requests interleaved."""
     url = f"{cluster.gateway_url}/v1/embeddings"
@@ -156,23 +165,33 @@ def test_kill_9_worker_loses_nothing(tmp_path: Path, adapters: dict[str, Path], 
 
     fleet = _fleet({}, ack_wait_s=2.0, max_deliver=5)
     with LocalCluster(fleet, workers=2, port=0, home=tmp_path / "home") as c:
-        n_req, per = 24, 8
+        n_req, per = 48, 8
         box: dict[str, list[httpx.Response]] = {}
+
+        async def consumer_info() -> Any:
+            nc = await nats.connect(c.nats_url, **c.client_options("admin"))  # authentication is on
+            try:
+                return await nc.jetstream().consumer_info(fleet.queue.stream, consumer_name(BASE))
+            finally:
+                await nc.drain()
+
         t = threading.Thread(target=lambda: box.setdefault("r", _fire(c.gateway_url, n_req, per)))
         t.start()
-        time.sleep(1.5)  # let worker-1 pull and hold batches
+        # Kill while a backlog waits and tasks are held: then both workers hold a batch (each pulls when idle).
+        deadline = time.monotonic() + 60
+        while True:
+            info = asyncio.run(consumer_info())
+            if info.num_pending > 0 and info.num_ack_pending > 0:
+                break
+            assert time.monotonic() < deadline, f"no backlog with held tasks within 60 s: {info}"
+            time.sleep(0.05)
         c.kill_worker("worker-1", signal.SIGKILL)
         t.join(timeout=180)
         responses = box["r"]
 
-        async def redeliveries() -> int:
-            # Every delivery bumps the consumer sequence; every task the stream sequence once.
-            nc = await nats.connect(c.nats_url, **c.client_options("admin"))  # authentication is on
-            info = await nc.jetstream().consumer_info(fleet.queue.stream, consumer_name(BASE))
-            await nc.drain()
-            return info.delivered.consumer_seq - info.delivered.stream_seq
-
-        n_redelivered = asyncio.run(redeliveries())
+        # Every delivery bumps the consumer sequence; every task the stream sequence once.
+        info = asyncio.run(consumer_info())
+        n_redelivered = info.delivered.consumer_seq - info.delivered.stream_seq
 
     from sentence_transformers import SentenceTransformer
 

@@ -79,6 +79,15 @@ def test_study_logs_parent_and_nested_runs(research_yaml: Callable[..., Path], _
     assert parent.data.tags["lorafleet.candidate"] == str(expected_candidate).lower()
     assert parent.data.tags["lorafleet.best_trial"] == str(best.number)
     assert Path(result.winner_adapter_dir, "adapter_config.json").is_file()
+    # A complete trial logs its adapter to its run; the winner's is taken from there (any machine can), not
+    # from the folder its trial wrote.
+    for t in trials:
+        logged = {a.path for a in client.list_artifacts(by_number[t.number].info.run_id)}
+        assert ("adapter" in logged) is (t.state == optuna.trial.TrialState.COMPLETE), (t.number, logged)
+    assert result.winner_adapter_uri == f"runs:/{by_number[best.number].info.run_id}/adapter"
+    assert Path(result.winner_adapter_dir).is_relative_to(_isolated_home / "research" / "study-a" / "winner")
+    assert (Path(result.winner_adapter_dir, "adapter_model.safetensors").read_bytes()
+            == Path(best.user_attrs["adapter_dir"], "adapter_model.safetensors").read_bytes())
 
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"optimization_history.png", "param_importances.png", "report.md", "summary.json"} <= artifacts

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -13,9 +14,9 @@ import httpx
 import msgpack
 import pytest
 import yaml
-from serve_harness import BASE, make_fleet, running_gateway, scripted_worker, until, wait_ready
+from serve_harness import BASE, fake_vector, make_fleet, running_gateway, scripted_worker, until, wait_ready
 
-from lorafleet.config import ServedModel
+from lorafleet.config import BaseModelSpec, ServedModel
 from lorafleet.nats_server import NatsServer, free_port
 
 pytestmark = pytest.mark.integration
@@ -190,6 +191,26 @@ async def test_503_without_a_live_worker(nats_server) -> None:
             # Heartbeats stopped: after worker_liveness_s the base has no worker again.
             await until(lambda: gw.gateway.workers.live_counts([BASE])[BASE] == 0, timeout=3)
             _error(await client.post("/v1/embeddings", json={"model": BASE, "input": "a"}), 503, "no_worker")
+
+
+async def test_a_scale_to_zero_base_queues_until_a_worker_comes(nats_server) -> None:
+    """A base marked scale_to_zero is accepted with no live worker; its task waits in the stream (the lag an
+    autoscaler reads) and the first worker that comes answers it within the deadline."""
+    fleet = make_fleet(nats_server.url, worker_liveness_s=0.5).model_copy(
+        update={"bases": [BaseModelSpec(name=BASE, scale_to_zero=True)]})
+    with running_gateway(fleet) as gw:
+        async with httpx.AsyncClient(base_url=gw.url, timeout=30) as client:
+            ready = await wait_ready(client, serving=True)  # ready without a worker: its tasks can wait
+            assert ready["workers"] == {BASE: 0} and ready["bases"][BASE]["scale_to_zero"] is True
+            call = asyncio.create_task(client.post("/v1/embeddings", json={"model": BASE, "input": "kalt"},
+                                                   headers={"X-Lorafleet-Deadline-Ms": "20000"}))
+            await until(lambda: gw.gateway.pending.tasks_in_flight() == 1, timeout=5)
+            assert not call.done()
+            async with scripted_worker(nats_server.url, fleet.queue):
+                r = await call
+            assert r.status_code == 200, r.text
+            got = r.json()["data"][0]["embedding"]
+            assert got == pytest.approx(fake_vector("kalt").tolist())
 
 
 async def test_504_when_the_deadline_passes(nats_server) -> None:

@@ -62,7 +62,8 @@ def create_streams(fleet_file: Path, nats_url: str) -> None:
 class WorkerProcess:
     """`python -m lorafleet.sidecar` as a child process; ready once its first heartbeat arrives."""
 
-    def __init__(self, fleet_file: Path, nats_url: str, worker_id: str, log_file: Path, streams: bool = True) -> None:
+    def __init__(self, fleet_file: Path, nats_url: str, worker_id: str, log_file: Path, streams: bool = True,
+                 args: tuple[str, ...] = ()) -> None:
         if streams:
             create_streams(fleet_file, nats_url)
         self.worker_id = worker_id
@@ -72,7 +73,7 @@ class WorkerProcess:
         self._log = open(log_file, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "lorafleet.sidecar", "--fleet", str(fleet_file), "--nats-url", nats_url,
-             "--worker-id", worker_id],
+             "--worker-id", worker_id, *args],
             stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )
 

@@ -1,0 +1,121 @@
+"""`lorafleet status`: the cluster as NATS sees it, from this host or any other.
+
+Every worker and gateway says on NATS that it runs (`heartbeats.Presence`: role, host, pid, state,
+restarts), so `status --nats-url URL --creds FILE` shows a whole cluster from a host that runs none
+of it. With a local cluster (`lorafleet up`) the URL and the control credential come from
+LORAFLEET_HOME, and the local processes (supervisor, nats-server) are shown too; when NATS cannot be
+reached, only those are, and the output says so.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import typer
+
+
+def status(
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    nats_url: str = typer.Option(None, "--nats-url", help="NATS server URL (or a "
+                                 "cluster's, comma-separated); default: the local cluster's."),
+    creds: Path = typer.Option(None, "--creds", help="Credential file with the control role (default: "
+                               "$LORAFLEET_NATS_CREDS, else the local cluster's creds/control.nk)."),
+    tls_ca: Path = typer.Option(None, "--tls-ca", help="CA of the server's certificate ($LORAFLEET_NATS_TLS_CA)."),
+    fleet: Path = typer.Option(None, "--fleet", "-f", help="Fleet YAML, for the queue's stream name (default: the "
+                               "local cluster's, else lorafleet's defaults)."),
+    listen: float = typer.Option(1.5, "--listen", min=0.1, help="Seconds to listen for heartbeats (every process "
+                                 "speaks once a second)."),
+) -> None:
+    """The cluster read from NATS — each process's role, host, pid, state and restarts; workers, adapters,
+    queue depth and consumer lag — plus the local processes of a cluster started here."""
+    import asyncio
+
+    from lorafleet import settings
+    from lorafleet.cluster_state import STATE_FILE, ClusterError, ClusterState, collect_status, processes
+    from lorafleet.config import ConfigError, FleetConfig, load_yaml_model
+    from lorafleet.nats_auth import CredentialsError
+    from lorafleet.nats_client import ClientSettings, NatsUrlError
+
+    home = settings.home()
+    try:
+        state = ClusterState.load(home) if (home / STATE_FILE).is_file() else None
+        fleet_file = fleet or (Path(state.fleet_file) if state is not None else None)
+        cfg = load_yaml_model(FleetConfig, fleet_file) if fleet_file is not None else FleetConfig()
+    except (ClusterError, ConfigError, OSError, ValueError) as exc:
+        _fail(str(exc))
+        return
+    if state is None and not nats_url:
+        _fail(f"no local cluster is recorded under {home}: pass --nats-url (and --creds with the control role) "
+              "to read a cluster from NATS, or start one with `lorafleet up`")
+        return
+    client = None
+    if creds is not None or tls_ca is not None:
+        client = ClientSettings.resolve(creds=creds, tls_ca=tls_ca,
+                                        fallback_creds=state.creds_path("control") if state is not None else None)
+    try:
+        info = asyncio.run(collect_status(state, cfg, listen, client=client, nats_url=nats_url))
+    except (ClusterError, CredentialsError, NatsUrlError, OSError, TimeoutError) as exc:
+        if state is None:
+            _fail(f"cannot read the cluster from NATS: {exc}")
+            return
+        info = {"source": "local", "note": f"NATS unreachable ({exc}); showing the local processes only",
+                "cluster": {}, "workers": {}, "queue": {"error": str(exc)}}
+    if state is not None:
+        info["processes"] = processes(home, state)
+        info["gateway_url"] = state.gateway_url
+    if as_json:
+        typer.echo(json.dumps(info, indent=2, default=str))
+        return
+    _print(info, state)
+
+
+def _fail(message: str, code: int = 1) -> None:
+    typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
+    raise typer.Exit(code)
+
+
+def _print(info: dict[str, Any], state: Any) -> None:
+    if state is not None:
+        typer.echo(f"gateway {state.gateway_url}   nats {state.nats_url}"
+                   f"{'' if state.auth else '  (no authentication)'}")
+    if info.get("note"):
+        typer.secho(info["note"], err=True, fg=typer.colors.YELLOW)
+    else:
+        typer.echo(f"cluster (from NATS {info['nats_url']}):")
+        if not info["cluster"]:
+            typer.echo("  no process heard")
+        for p in info["cluster"].values():
+            typer.echo(f"  {p['role']:<8} {p['name']:<20} {p['host']:<16} pid {p['pid']:<8} {p['state']:<10} "
+                       f"restarts {p['restarts']}")
+    if "processes" in info:
+        typer.echo("local processes:")
+        for name, p in info["processes"].items():
+            restarts = f"  restarted {p['restarts']}x (last exit {p['last_exit']})" if p["restarts"] else ""
+            typer.echo(f"  {name:<14} " + (f"pid {p['pid']:<8} running" if p["alive"] else f"{'':<12} stopped")
+                       + restarts)
+    if info["source"] != "nats":
+        return
+    typer.echo("workers (from heartbeats):")
+    if not info["workers"]:
+        typer.echo("  none heard")
+    for name, hb in info["workers"].items():
+        adapters = ", ".join(f"{b}: {a}" for b, a in hb["adapters"].items() if a) or "none"
+        rates = ", ".join(f"{b} {r:.0f}/s" for b, r in hb.get("service_rates", {}).items()) or "not measured"
+        engines = "".join(f"  {b}: {hb['slots_used'].get(b, 0)}/{n} sequences, KV cache "
+                          f"{100 * hb.get('kv_cache', {}).get(b, 0.0):.0f}%" for b, n in hb.get("slots", {}).items())
+        typer.echo(
+            f"  {name:<14} bases {', '.join(hb['bases']) or '(none pulling)'}  adapters {adapters}  in flight "
+            f"{hb['in_flight']}  {hb['batches_per_s']:.1f} batches/s  rate {rates}  done {hb['tasks_done']}"
+            f"{engines}{'  draining' if hb['draining'] else ''}"
+        )
+    typer.echo("queue (per consumer):")
+    queue = info["queue"]
+    if "error" in queue:
+        typer.echo(f"  unavailable: {queue['error']}")
+    for consumer, q in queue.items():
+        if consumer == "error":
+            continue
+        typer.echo(f"  {consumer:<30} waiting {q['pending']}  unacked {q['ack_pending']}  "
+                   f"redelivered {q['redelivered']}")
