@@ -40,11 +40,11 @@ import yaml
 from lorafleet import settings
 from lorafleet.cluster_state import STATE_FILE, ClusterError, ClusterState, collect_status, down
 from lorafleet.config import FleetConfig, load_yaml_model
-from lorafleet.fleet_state import ensure_fleet_bucket
+from lorafleet.fleet_state import ensure_fleet_bucket, put_fleet_config
 from lorafleet.heartbeats import ENV_RESTARTS
 from lorafleet.nats_auth import TlsFiles
 from lorafleet.nats_client import ClientSettings, join_urls, quiet_tls_noise, server_urls
-from lorafleet.nats_cluster import local_nats, plan_replicas
+from lorafleet.nats_cluster import local_nats, plan_replicas, recorded_nodes
 from lorafleet.nats_server import NatsServer, NatsServerError, free_port, port_open
 from lorafleet.nats_tls import issue_certificate, make_self_signed_ca
 from lorafleet.processes import find_parts, pid_alive, stop_group
@@ -78,7 +78,8 @@ def run_async(coro: Coroutine[Any, Any, Any]) -> Any:
 
 
 async def apply_layout(url: str, options: dict[str, Any], fleet: FleetConfig) -> None:
-    """With the admin credential: the streams as the fleet file says (created or reconfigured), the fleet bucket."""
+    """With the admin credential: the streams as the fleet file says (created or reconfigured), the fleet bucket
+    and, in it, the fleet file for processes on other hosts."""
     import nats
     from nats.errors import NoRespondersError
     from nats.errors import TimeoutError as NatsTimeoutError
@@ -92,7 +93,8 @@ async def apply_layout(url: str, options: dict[str, Any], fleet: FleetConfig) ->
         while True:
             try:
                 await ensure_fleet_streams(js, fleet, update=True)
-                await ensure_fleet_bucket(js, replicas=fleet.nats.stream_replicas())
+                kv = await ensure_fleet_bucket(js, replicas=fleet.nats.stream_replicas())
+                await put_fleet_config(kv, fleet)  # for workers and gateways that join from other hosts
                 return
             except (ServiceUnavailableError, NoRespondersError, NatsTimeoutError) as exc:
                 if time.monotonic() > deadline:  # a new cluster's stream leaders are still being elected
@@ -220,7 +222,7 @@ class LocalCluster:
             self.state = ClusterState(
                 home=str(self.home), nats_url=self.nats_url, gateway_url=self.gateway_url, fleet_file=str(fleet_file),
                 pids={n: s.pid for n, s in self.nats_servers.items() if s.pid}, auth=self.auth, tls=tls_files,
-                supervisor_pid=self.supervisor_pid)
+                supervisor_pid=self.supervisor_pid, nats_host=self.host, nats_nodes=recorded_nodes(self.nats_servers))
             run_async(apply_layout(self.nats_url, self.client_options("admin"), self.fleet))
             for i in range(self.workers):
                 self.start_worker(f"worker-{i + 1}")

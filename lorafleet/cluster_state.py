@@ -23,7 +23,8 @@ from lorafleet import heartbeats, settings
 from lorafleet.config import FleetConfig
 from lorafleet.nats_auth import CREDS_SUFFIX, TlsFiles, explain_connect_error
 from lorafleet.nats_client import ClientSettings, quiet_tls_noise, server_urls
-from lorafleet.nats_server import NatsServer
+from lorafleet.nats_cluster import route_secret
+from lorafleet.nats_server import ClusterRoutes, NatsServer
 from lorafleet.processes import SUPERVISOR, find_parts, pid_alive, stop_group, stop_order
 from lorafleet.queue import queue_depth
 
@@ -51,6 +52,10 @@ class ClusterState:
     last_exit: dict[str, int] = field(default_factory=dict)
     supervisor_pid: int | None = None
     ready: bool = False
+    nats_host: str = "127.0.0.1"  # where the nodes listen (the URLs say where this machine reaches them)
+    # Part name → {"port", "routes"} for each node, so `creds add|revoke` can re-render and reload every node's
+    # config as it was started. The route password is not here: it stays in its 0600 file (nats_cluster.py).
+    nats_nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def save(self, path: Path) -> None:
         tmp = path.with_name(path.name + ".tmp")
@@ -74,16 +79,24 @@ class ClusterState:
         ca = Path(self.tls["ca"]) if self.tls and self.tls.get("ca") else None
         return ClientSettings(self.creds_path(role) if role else None, TlsFiles(ca=ca) if ca else None)
 
-    def nats_server(self) -> NatsServer:
-        """This cluster's nats-server (not started: to reload the running one after `adopt`)."""
-        url = urlsplit(self.nats_url)
+    def nats_servers(self) -> dict[str, NatsServer]:
+        """Part name → this cluster's nats-server node(s), configured as started (not started: to reload the
+        running ones after `adopt`)."""
         tls = None
         if self.tls:
             tls = TlsFiles(*(Path(self.tls[k]) if self.tls.get(k) else None for k in ("ca", "cert", "key")))
         home = Path(self.home)
-        return NatsServer(home / "nats", port=url.port, host=url.hostname or "127.0.0.1",
-                          log_file=home / "logs" / "nats-server.log", creds=home / "creds" if self.auth else None,
-                          tls=tls)
+        creds = home / "creds" if self.auth else None
+        if not self.nats_nodes:  # one server (or a state written before nodes were recorded)
+            url = urlsplit(server_urls(self.nats_url)[0])
+            return {"nats-server": NatsServer(home / "nats", port=url.port, host=self.nats_host,
+                                              log_file=home / "logs" / "nats-server.log", creds=creds, tls=tls)}
+        password = route_secret(home / "nats")
+        return {name: NatsServer(home / "nats" / node["dir"], port=node["port"], host=self.nats_host,
+                                 log_file=home / "logs" / f"{name}.log", creds=creds, tls=tls,
+                                 routes=ClusterRoutes(**{**node["routes"], "peers": tuple(node["routes"]["peers"]),
+                                                         "password": password}))
+                for name, node in self.nats_nodes.items()}
 
 
 def supervisor_alive(state: ClusterState | None) -> int | None:

@@ -21,12 +21,29 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from lorafleet.config import ServedModel, ServingProfile, StrictModel
+from lorafleet.config import (
+    ConfigError,
+    FleetConfig,
+    ServedModel,
+    ServingProfile,
+    StrictModel,
+    validate_model,
+)
+from lorafleet.nats_client import server_urls
 from lorafleet.wire import FLEET_KV_BUCKET
 
 log = logging.getLogger(__name__)
 
 KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+# The fleet file itself, for processes on other hosts (`lorafleet worker`/`gateway` without --fleet). Served
+# names start with a letter or digit (KEY_RE), so this key can never be one of them.
+FLEET_CONFIG_KEY = "_fleet"
+# Host-local settings stay out of the shared copy: each process gets its own URL, credential and TLS files
+# on its command line, and API keys are secrets the workers (who can read the bucket) must not see.
+_HOST_LOCAL: dict[str, Any] = {"nats_url": True, "nats": {"creds", "tls_ca", "tls_cert", "tls_key"},
+                               "gateway": {"api_keys"}}
 
 
 class FleetStateError(RuntimeError):
@@ -127,6 +144,51 @@ async def open_fleet_bucket(js: Any, bucket: str = FLEET_KV_BUCKET) -> Any:
         ) from exc
 
 
+def shared_fleet_config(fleet: FleetConfig) -> bytes:
+    """The fleet file as other hosts' processes get it: JSON, without the host-local settings (_HOST_LOCAL)."""
+    return json.dumps(fleet.model_dump(mode="json", exclude=_HOST_LOCAL), indent=1).encode()
+
+
+async def put_fleet_config(kv: Any, fleet: FleetConfig) -> int:
+    """Publish the fleet file (what `lorafleet up` serves) for processes that join from other hosts."""
+    return await kv.put(FLEET_CONFIG_KEY, shared_fleet_config(fleet))
+
+
+async def read_fleet_config(kv: Any) -> FleetConfig:
+    """The fleet file `lorafleet up` published; FleetStateError when there is none or it does not validate."""
+    from nats.js.errors import KeyNotFoundError
+
+    try:
+        entry = await kv.get(FLEET_CONFIG_KEY)
+    except KeyNotFoundError as exc:
+        raise FleetStateError(
+            "this NATS server holds no fleet file: the cluster was not started by `lorafleet up` (which publishes "
+            "it), or it was deleted. Pass --fleet FLEET.yaml."
+        ) from exc
+    try:
+        return validate_model(FleetConfig, json.loads(entry.value), source=f"NATS KV {FLEET_CONFIG_KEY}")
+    except (ConfigError, ValueError) as exc:
+        raise FleetStateError(f"the fleet file in NATS is not valid: {exc}; pass --fleet FLEET.yaml") from exc
+
+
+def fetch_fleet_config(url: str, options: dict[str, Any], timeout: float = 10.0) -> FleetConfig:
+    """The fleet file published in NATS (`lorafleet up` does), read once at start by a process on another host."""
+    import nats
+
+    async def fetch() -> FleetConfig:
+        try:
+            nc = await asyncio.wait_for(
+                nats.connect(server_urls(url), allow_reconnect=False, connect_timeout=5, **options), timeout)
+        except Exception as exc:
+            raise FleetStateError(f"cannot read the fleet file from NATS at {url}: {exc!r}") from exc
+        try:
+            return await read_fleet_config(await open_fleet_bucket(nc.jetstream()))
+        finally:
+            await nc.close()
+
+    return asyncio.run(fetch())
+
+
 async def read_entries(kv: Any) -> dict[str, FleetEntry]:
     from nats.js.errors import NoKeysError
 
@@ -136,6 +198,8 @@ async def read_entries(kv: Any) -> dict[str, FleetEntry]:
         return {}
     out = {}
     for key in keys:
+        if key == FLEET_CONFIG_KEY:
+            continue
         with contextlib.suppress(Exception):
             out[key] = FleetEntry.from_bytes((await kv.get(key)).value)
     return out
@@ -177,6 +241,8 @@ class FleetWatcher:
         async for entry in self._watcher:
             if entry is None:  # end of the initial values
                 self._mark_initialised()
+                continue
+            if entry.key == FLEET_CONFIG_KEY:  # the fleet file, not a served name
                 continue
             if entry.operation in ("DEL", "PURGE"):
                 self.table.pop(entry.key, None)

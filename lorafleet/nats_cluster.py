@@ -15,10 +15,12 @@ which is how `processes.find_parts` recognises it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import secrets
 import time
 from pathlib import Path
+from typing import Any
 
 from lorafleet.nats_auth import CredentialSet, Layout, TlsFiles
 from lorafleet.nats_client import join_urls
@@ -165,6 +167,18 @@ def local_nats(home: Path, nodes: int, *, host: str, port: int, creds: Path | No
     ports = [port] + [free_port(host) for _ in range(nodes - 1)]
     cluster = NatsCluster(home / "nats", nodes, host=host, ports=ports, log_dir=home / "logs", creds=creds, tls=tls)
     return dict(cluster.start().servers)
+
+
+def recorded_nodes(servers: dict[str, NatsServer]) -> dict[str, dict[str, Any]]:
+    """What cluster.json keeps of a cluster's nodes to render their configs again (`creds add` reloads them):
+    folder, client port and routes, without the route password (it stays in its 0600 file)."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, server in servers.items():
+        if server.routes is None:
+            continue
+        routes = {k: v for k, v in dataclasses.asdict(server.routes).items() if k != "password"}
+        out[name] = {"dir": server.store_dir.name, "port": server.port, "routes": routes}
+    return out
 
 
 def _size(path: Path) -> int:

@@ -8,6 +8,7 @@ import os
 import sys
 
 from lorafleet.config import ConfigError, FleetConfig, load_yaml_model
+from lorafleet.fleet_state import FleetStateError, fetch_fleet_config
 from lorafleet.nats_auth import CredentialsError
 from lorafleet.nats_client import add_client_arguments, quiet_tls_noise, settings_from_args
 from lorafleet.threads import GATEWAY_THREADS, pool_env
@@ -17,7 +18,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m lorafleet.serve",
                                 description="Run the lorafleet HTTP gateway (OpenAI-compatible embeddings and "
                                             "chat/completions over NATS).")
-    p.add_argument("--fleet", required=True, help="Fleet YAML (see configs/fleet.yaml).")
+    p.add_argument("--fleet", default=None, help="Fleet YAML (see configs/fleet.yaml; default: the fleet file "
+                   "`lorafleet up` published in NATS, which needs --nats-url).")
     p.add_argument("--nats-url", default=None, help="NATS server URL, or a cluster's URLs comma-separated "
                    "(nats://h1:4222,nats://h2:4222,…: fails over among them; default: the fleet's nats_url).")
     p.add_argument("--host", default=None, help="Address to listen on (default: the fleet's gateway.host).")
@@ -37,10 +39,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     quiet_tls_noise()
     try:
-        fleet = load_yaml_model(FleetConfig, args.fleet)
-        client = settings_from_args(args, fleet.nats)
-        client.options()  # fail here, with a message, on an unreadable credential or TLS file
-    except (ConfigError, CredentialsError, OSError) as exc:
+        if args.fleet is not None:
+            fleet = load_yaml_model(FleetConfig, args.fleet)
+            client = settings_from_args(args, fleet.nats)
+            client.options()  # fail here, with a message, on an unreadable credential or TLS file
+        elif not args.nats_url:
+            raise ConfigError("give --fleet FLEET.yaml, or --nats-url (and --creds) to read the fleet file from NATS")
+        else:  # joining from another host: only the URL and a credential
+            client = settings_from_args(args)
+            fleet = fetch_fleet_config(args.nats_url, client.options())
+    except (ConfigError, CredentialsError, OSError, FleetStateError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     from lorafleet.serve.routes import run_gateway

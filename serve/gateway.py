@@ -25,17 +25,14 @@ from typing import Any
 import nats
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
-from nats.errors import ConnectionReconnectingError, OutboundBufferLimitError
-from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
-from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableError
 
 from lorafleet import heartbeats, wire
 from lorafleet.config import FleetConfig
 from lorafleet.fleet_state import FleetEntry, FleetWatcher, merge_models
 from lorafleet.nats_auth import explain_connect_error, gateway_inbox_prefix
 from lorafleet.nats_client import RECONNECT_OPTIONS, ClientSettings, server_urls
-from lorafleet.queue import JS_ERR_STREAM_FULL, ensure_fleet_streams
+from lorafleet.queue import ensure_fleet_streams
 from lorafleet.serve.admission import judge
 from lorafleet.serve.auth import ApiKeys, load_api_keys
 from lorafleet.serve.bases import BaseInfo, load_bases
@@ -44,6 +41,7 @@ from lorafleet.serve.errors import ApiError, bad_request, clip, worker_error
 from lorafleet.serve.generation import Generation, Prepared, prepare
 from lorafleet.serve.metrics import GatewayMetrics
 from lorafleet.serve.pending import COMPLETE, DUPLICATE, FILLED, LATE, MALFORMED, TIMEOUT, PendingTable
+from lorafleet.serve.publish import deadline_error, publish_error, publish_task
 from lorafleet.serve.queue_monitor import QueueMonitor
 from lorafleet.serve.resolver import Resolver, Route, Specialist
 from lorafleet.serve.textstream import TextStream
@@ -52,15 +50,6 @@ from lorafleet.serve.workers import WorkerRegistry
 
 log = logging.getLogger("lorafleet.serve")
 
-_PUBLISH_TIMEOUT_S = 2.0  # wait for one JetStream publish ack (not the deadline: a 1 ms deadline still publishes)
-# Through a NATS failover (a node lost: JetStream re-elects the stream's leader in 4-9 s) a publish is retried
-# for at most this long (and never past the request's deadline), with the same Nats-Msg-Id: an attempt that was
-# stored but whose ack was lost is not stored twice (the stream's duplicate window).
-_PUBLISH_RETRY_S = 20.0
-# What a failover looks like to a publisher: no ack in time, no responder (no stream leader yet), JetStream
-# "temporarily unavailable", the connection being re-established.
-_TRANSIENT = (asyncio.TimeoutError, NatsTimeoutError, NoStreamResponseError, ServiceUnavailableError,
-              ConnectionReconnectingError, OutboundBufferLimitError)
 _INLINE_TOKENS_CHARS = 32_768  # inputs longer than this in total are counted in a thread, off the event loop
 
 
@@ -345,7 +334,7 @@ class Gateway:
         if value is None:
             return pending.results, sum(counts)  # type: ignore[return-value]  # all slots filled
         if value is TIMEOUT:
-            raise self._deadline_error(deadline_s, pending.filled, n)
+            raise deadline_error(deadline_s, pending.filled, n)
         assert isinstance(value, wire.Result) and value.error_code is not None
         raise worker_error(value.error_code, value.error_message, value.index, self.cfg.retry_after_s)
 
@@ -396,26 +385,6 @@ class Gateway:
         self.metrics.published(route.base, 1)
         return generation
 
-    async def _publish(self, js: JetStreamContext, subject: str, payload: bytes, task_id: str, pending: Any,
-                       deadline_s: float) -> None:
-        """Publish one task, retrying through a failover (see _PUBLISH_RETRY_S) with the same Nats-Msg-Id."""
-        headers = {wire.HDR_MSG_ID: task_id}
-        give_up = time.monotonic() + min(_PUBLISH_RETRY_S, deadline_s)
-        delay = 0.05
-        while True:
-            try:
-                await js.publish(subject, payload, timeout=_PUBLISH_TIMEOUT_S, headers=headers)
-                return
-            except _TRANSIENT as exc:
-                full = isinstance(exc, APIError) and exc.err_code in JS_ERR_STREAM_FULL  # a 503 too: answer 429 now
-                if full or pending.future.done() or time.monotonic() + delay >= give_up:
-                    raise
-                if isinstance(exc, NoStreamResponseError):
-                    self.monitor.trigger()  # no leader yet, or the stream is gone: the monitor re-creates a lost one
-                log.debug("publish of task %s retried after %r", task_id, exc)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.5)
-
     def _admit(self, base: str, n: int, deadline_s: float) -> None:
         """429 when the backlog ahead, at the workers' measured rate, leaves no room within the deadline."""
         refusal = judge(self.monitor.backlog(base), n, self.workers.service_rate(base), deadline_s,
@@ -424,32 +393,13 @@ class Gateway:
             self.metrics.refused(base)
             raise ApiError(429, "overloaded", refusal.message(base, n), {"Retry-After": str(refusal.retry_after_s)})
 
-    @staticmethod
-    def _deadline_error(deadline_s: float, filled: int, n: int) -> ApiError:
-        return ApiError(
-            504, "deadline_exceeded",
-            f"the deadline of {deadline_s * 1000:.0f} ms passed with {filled} of {n} inputs embedded; "
-            "send a longer X-Lorafleet-Deadline-Ms (or deadline_ms) or retry when the queue is shorter",
-        )
+    def _publish(self, js: JetStreamContext, subject: str, payload: bytes, task_id: str, pending: Any,
+                 deadline_s: float) -> Any:
+        return publish_task(js, subject, payload, task_id, pending, deadline_s, self.monitor.trigger)
 
     def _publish_error(self, exc: BaseException, deadline_s: float, pending: Any) -> ApiError:
-        if pending.future.done() and pending.future.result() is TIMEOUT:
-            # The deadline passed while publishing (a 1 ms deadline): that, not the publish, is the answer.
-            return self._deadline_error(deadline_s, pending.filled, pending.n)
-        if isinstance(exc, APIError) and exc.err_code in JS_ERR_STREAM_FULL:
-            return ApiError(429, "queue_full", f"the work queue is full ({exc.description}); retry later",
-                            self._retry_after)
-        if isinstance(exc, NoStreamResponseError):
-            self.monitor.trigger()  # the stream is gone: re-create it now, not at the next read
-            return ApiError(503, "queue_unavailable",
-                            f"the work stream {self.fleet.queue.stream} does not answer; retry shortly",
-                            self._retry_after)
-        if isinstance(exc, asyncio.TimeoutError | NatsTimeoutError):
-            return ApiError(503, "queue_unavailable", "the work stream did not acknowledge in time; retry shortly",
-                            self._retry_after)
-        log.warning("publish failed: %r", exc)
-        return ApiError(503, "queue_unavailable", f"publishing to the work queue failed ({exc!r}); retry shortly",
-                        self._retry_after)
+        return publish_error(exc, deadline_s, pending, self.fleet.queue.stream, self._retry_after,
+                             self.monitor.trigger)
 
     def check_dimensions(self, route: Route, dimensions: int | None) -> None:
         if dimensions is None:

@@ -10,6 +10,7 @@ import sys
 import yaml
 
 from lorafleet.config import ConfigError, FleetConfig, load_yaml_model, validate_model
+from lorafleet.fleet_state import FleetStateError, fetch_fleet_config
 from lorafleet.nats_auth import CredentialsError
 from lorafleet.nats_client import add_client_arguments, quiet_tls_noise, settings_from_args
 from lorafleet.threads import available_cpus, plan_threads, pool_env
@@ -22,7 +23,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "per (base model, adapter) or feeds them to an engine (vLLM), runs the model, replies and acks. "
                     "Stops cleanly on SIGTERM.",
     )
-    p.add_argument("--fleet", required=True, help="FleetConfig YAML file, or '-' to read it from stdin.")
+    p.add_argument("--fleet", default=None,
+                   help="FleetConfig YAML file, or '-' to read it from stdin (default: the fleet file `lorafleet up` "
+                        "published in NATS; needs --nats-url).")
     p.add_argument("--nats-url", default=None, help="NATS server URL, or a cluster's URLs comma-separated "
                    "(nats://h1:4222,nats://h2:4222,…: fails over among them; default: the fleet config's nats_url).")
     p.add_argument("--worker-id", default=None, help="Name in logs and heartbeats (default: HOST-PID).")
@@ -72,9 +75,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine request otherwise
     quiet_tls_noise()
     try:
-        fleet = load_fleet(args.fleet)
-        options = settings_from_args(args, fleet.nats).options()
-    except (ConfigError, CredentialsError, OSError) as exc:  # OSError: unreadable TLS files
+        if args.fleet is not None:
+            fleet = load_fleet(args.fleet)
+            options = settings_from_args(args, fleet.nats).options()
+        elif not args.nats_url:
+            raise ConfigError("give --fleet FLEET.yaml, or --nats-url (and --creds) to read the fleet file from NATS")
+        else:  # joining from another host: only the URL and a credential
+            options = settings_from_args(args).options()
+            fleet = fetch_fleet_config(args.nats_url, options)
+    except (ConfigError, CredentialsError, OSError, FleetStateError) as exc:  # OSError: unreadable TLS files
         print(f"error: {exc}", file=sys.stderr)
         return 2
     # Before torch is imported (the runtime imports it): OpenMP sizes its team from the environment.

@@ -22,24 +22,30 @@ def _fail(message: str, code: int = 1) -> None:
 
 
 def _reload() -> str:
-    """Reload the running nats-server of LORAFLEET_HOME's cluster; what happened, in words."""
+    """Reload the running nats-server node(s) of LORAFLEET_HOME's cluster; what happened, in words."""
     from lorafleet import settings
     from lorafleet.cluster_state import STATE_FILE, ClusterState
     from lorafleet.nats_server import NatsServerError
     from lorafleet.processes import find_parts
 
     home = settings.home()
-    pid = find_parts(home).get("nats-server")
-    if pid is None or not (home / STATE_FILE).is_file():
+    parts = find_parts(home)
+    if not (home / STATE_FILE).is_file() or not any(name.startswith("nats-server") for name in parts):
         return "no running cluster here: the change applies at the next `lorafleet up`"
     state = ClusterState.load(home)
     if not state.auth:
         return "the running cluster has no authentication (--insecure-no-auth): restart it without that flag"
-    try:
-        state.nats_server().adopt(pid).reload()
-    except NatsServerError as exc:
-        _fail(f"reloading nats-server failed: {exc}")
-    return f"nats-server (pid {pid}) reloaded"
+    reloaded = []
+    for name, server in state.nats_servers().items():  # every node: a key must be valid on whichever it reaches
+        pid = parts.get(name)
+        if pid is None:
+            continue  # a node that is down reads the new config when the supervisor restarts it
+        try:
+            server.adopt(pid).reload()
+        except NatsServerError as exc:
+            _fail(f"reloading {name} failed: {exc}")
+        reloaded.append(f"{name} (pid {pid})")
+    return f"reloaded {', '.join(reloaded)}"
 
 
 @creds_app.command("add")

@@ -26,7 +26,7 @@ import pytest
 
 from lorafleet.cluster import LocalCluster
 from lorafleet.config import BaseModelSpec, FleetConfig
-from lorafleet.nats_client import server_urls
+from lorafleet.nats_client import ClientSettings, server_urls
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -157,6 +157,33 @@ def test_cluster_layout(cluster: LocalCluster) -> None:
         return out
 
     assert asyncio.run(replicas()) == {"LORAFLEET_WORK": 3, "LORAFLEET_DLQ": 3, "KV_lorafleet_fleet": 3}
+
+
+def test_a_new_credential_is_admitted_by_every_node(cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`lorafleet creds add` on a running 3-node cluster reloads every node from what cluster.json recorded (the
+    routes included), so the new key works on whichever node a client reaches, and the cluster stays whole."""
+    from typer.testing import CliRunner
+
+    from lorafleet.cli import app
+    from lorafleet.processes import find_parts
+
+    monkeypatch.setenv("LORAFLEET_HOME", str(cluster.home))
+    pids = {n: p for n, p in find_parts(cluster.home).items() if n.startswith("nats-server")}
+    out = CliRunner().invoke(app, ["creds", "add", "worker-extra"])
+    assert out.exit_code == 0, out.output
+    assert all(f"{name} (pid {pid})" in out.output for name, pid in pids.items()), out.output
+    assert {n: p for n, p in find_parts(cluster.home).items() if n.startswith("nats-server")} == pids  # reloaded
+
+    async def info_on(url: str) -> int:
+        nc = await nats.connect(url, allow_reconnect=False,
+                                **ClientSettings(cluster.home / "creds" / "worker-extra.nk", None).options())
+        try:
+            return (await nc.jetstream().stream_info(cluster.fleet.queue.stream)).config.num_replicas
+        finally:
+            await nc.close()
+
+    for url in server_urls(cluster.nats_url):  # each node, alone: the key and the R3 stream are there
+        assert asyncio.run(info_on(url)) == 3
 
 
 def test_node_loss_loses_nothing(cluster: LocalCluster, minilm_path: Path, tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ winner's adapter from MLflow and registers it.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import json
@@ -193,21 +194,24 @@ def _started(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Pope
 
 def test_remote_worker_and_gateway_serve_a_bundle_from_the_server(tmp_path: Path, tiny_model_dir: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """A worker and a gateway started as separate commands, each given a NATS URL, its credential file and the
-    fleet file, serve a promoted bundle that the worker fetched from the tracking server into its own home."""
+    """A worker and a gateway started as separate commands, each given only a NATS URL and its credential file
+    (the fleet file comes from NATS, where the cluster's layout step put it, as `lorafleet up` does), serve a
+    promoted bundle that the worker fetched from the tracking server into its own home."""
     import httpx
     import numpy as np
 
+    from lorafleet.cluster import apply_layout
     from lorafleet.config import BaseModelSpec, FleetConfig
+    from lorafleet.nats_client import ClientSettings
     from lorafleet.nats_server import NatsServer, free_port
     from lorafleet.processes import stop_group
     from lorafleet.registry import store
     from lorafleet.registry.promote import promote
     from lorafleet.train.trainer import load_adapter_model
 
-    fleet = tmp_path / "fleet.yaml"
-    fleet.write_text(yaml.safe_dump(FleetConfig(bases=[BaseModelSpec(name="tiny", source=str(tiny_model_dir),
-                                                                      max_seq_length=64)]).model_dump(mode="json")))
+    config = FleetConfig(bases=[BaseModelSpec(name="tiny", source=str(tiny_model_dir), max_seq_length=64)])
+    fleet = tmp_path / "fleet.yaml"  # only the machine that runs `promote` has it
+    fleet.write_text(yaml.safe_dump(config.model_dump(mode="json")))
     adapter = make_random_adapter(tiny_model_dir, tmp_path / "adapter", seed=11)
     expected = np.asarray(load_adapter_model(str(tiny_model_dir), adapter, "cpu", 64).encode([SENTENCE])[0])
     worker_home, gateway_home = tmp_path / "worker-home", tmp_path / "gateway-home"
@@ -218,12 +222,14 @@ def test_remote_worker_and_gateway_serve_a_bundle_from_the_server(tmp_path: Path
         server = NatsServer(tmp_path / "nats", creds=tmp_path / "creds").start()
         procs: list[subprocess.Popen[bytes]] = []
         try:
+            admin = ClientSettings.resolve(creds=str(server.creds("admin"))).options()
+            asyncio.run(apply_layout(server.url, admin, config))  # what `lorafleet up` does: streams, bucket, file
             port = free_port()
-            procs.append(_started([sys.executable, "-m", "lorafleet.cli", "worker", "--fleet", str(fleet),
+            procs.append(_started([sys.executable, "-m", "lorafleet.cli", "worker",
                                    "--nats-url", server.url, "--creds", str(server.creds("worker")), "--threads", "1"],
                                   machine(worker_home, url), tmp_path / "worker.log"))
             gateway_env = machine(gateway_home, "http://127.0.0.1:9")  # the gateway never needs the registry
-            procs.append(_started([sys.executable, "-m", "lorafleet.cli", "gateway", "--fleet", str(fleet),
+            procs.append(_started([sys.executable, "-m", "lorafleet.cli", "gateway",
                                    "--nats-url", server.url, "--creds", str(server.creds("gateway")),
                                    "--host", "127.0.0.1", "--port", str(port)], gateway_env, tmp_path / "gateway.log"))
             gateway = f"http://127.0.0.1:{port}"
