@@ -1,4 +1,5 @@
-"""Helpers for tests and benchmarks: a tiny random BERT and a tiny random Llama, built on the fly, offline.
+"""Helpers for tests and benchmarks: a tiny random BERT and a tiny random Llama, built on the fly, offline,
+and a wait for the CLI processes a test starts.
 
 Public so that users writing tests against lorafleet get the same fast model.
 """
@@ -6,6 +7,8 @@ Public so that users writing tests against lorafleet get the same fast model.
 from __future__ import annotations
 
 import shutil
+import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 
 _CORPUS = [
@@ -151,3 +154,14 @@ def build_tiny_llama(out_dir: str | Path, *, hidden: int = 128, heads: int = 2, 
             model.lm_head.weight[: len(special)] = 0
     model.save_pretrained(out)
     return out
+
+
+def wait_all(procs: Sequence[subprocess.Popen[bytes]], timeout: float) -> list[int]:
+    """Every process's exit code, each waited for up to `timeout` s; any still running after that is killed."""
+    try:
+        return [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()

@@ -23,7 +23,7 @@ import pytest
 import yaml
 from remote_stores_kit import REPO, cli_env, mlflow_server, pg_bin, pg_user, postgres_server, tiny_config
 
-from lorafleet.testing import make_random_adapter
+from lorafleet.testing import make_random_adapter, wait_all
 
 pytestmark = pytest.mark.integration
 
@@ -149,13 +149,7 @@ def test_two_research_processes_on_postgres(tmp_path: Path, tiny_model_dir: Path
                      "--no-ship"], stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
                     # The storage URL holds a password: in the environment, not on a command line others can read.
                     env={**machine(home, url), "LORAFLEET_OPTUNA_STORAGE": storage}))
-        try:
-            codes = [p.wait(timeout=300) for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+        codes = wait_all(procs, timeout=300)
         assert codes == [0, 0], "\n----\n".join(log.read_text()[-3000:] for log in logs)
         trials = optuna.load_study(study_name=study, storage=storage).get_trials()
         assert 4 <= len(trials) <= 5 and all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)

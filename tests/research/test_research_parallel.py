@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from research_testkit import start_cli, storage_url
 
+from lorafleet.testing import wait_all
+
 pytestmark = pytest.mark.integration
 
 
@@ -23,13 +25,7 @@ def test_two_processes_share_one_study(research_yaml: Callable[..., Path], _isol
                            space={"learning_rate": {"type": "float", "low": 1e-4, "high": 1e-2, "log": True}})
     logs = [tmp_path / "a.log", tmp_path / "b.log"]
     procs = [start_cli(["research", "run", str(config), "--plain"], log) for log in logs]
-    try:
-        codes = [p.wait(timeout=300) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    codes = wait_all(procs, timeout=300)
     outputs = [log.read_text() for log in logs]
     assert codes == [0, 0], "\n----\n".join(o[-3000:] for o in outputs)
 
