@@ -2,6 +2,7 @@
 
     python -m lorafleet.bench.serve      the cluster against raw encode and peer servers
     python -m lorafleet.bench.routing    pull against push routers on the same trace
+    python -m lorafleet.bench.adapters   many adapters on one base: mixed batches, one adapter per batch, none
     python -m lorafleet.bench.train      LoRA against full fine-tuning
     python -m lorafleet.bench.research   research with and without pruning
     python -m lorafleet.bench.report     docs/benchmarks.md tables from bench/results/*.json

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from lorafleet import plugins
 
 PACKAGED_MINILM = "all-MiniLM-L6-v2"
+MIB = 1024 * 1024
 
 
 class ConfigError(ValueError):
@@ -49,6 +50,28 @@ class ServingProfile(StrictModel):
         description="Batches pulled ahead of the one being computed (pipelining); 0 pulls only when idle. "
         "Each one commits tasks to this worker that an idle peer could have served; it pays only where a "
         "pull takes long next to a batch (a fast GPU), which `lorafleet tune` measures.",
+    )
+    mixed_adapter_batches: bool = Field(
+        True,
+        description="Form batches per base, with rows of different adapters in one forward pass, when the base's "
+        "runtime can (mixed adapters); False: one adapter per batch. Worker-wide: read from the fleet's worker "
+        "profile.",
+    )
+    max_batch_adapters: int = Field(
+        64, ge=1, le=4096,
+        description="Most distinct adapters in one mixed batch; all of them stay loaded (pinned) while it computes, "
+        "so it must fit adapter_device_bytes and worker.max_adapters. Worker-wide.",
+    )
+    adapter_device_bytes: int = Field(
+        256 * MIB, ge=MIB,
+        description="Per base, bytes of adapter weights kept loaded on the runtime's device (the hot tier); the "
+        "least recently used beyond it move to host memory. An adapter larger than this cannot be served. "
+        "Worker-wide.",
+    )
+    adapter_host_bytes: int = Field(
+        512 * MIB, ge=0,
+        description="Per base, bytes of host-memory copies of adapters evicted from the device (the warm tier, "
+        "loaded back without reading disk); least recently used beyond it are dropped, 0 keeps none. Worker-wide.",
     )
 
 
@@ -170,7 +193,11 @@ class GatewayConfig(StrictModel):
 
 class WorkerConfig(StrictModel):
     profile: ServingProfile = Field(default_factory=ServingProfile)
-    max_adapters: int = Field(8, ge=1, description="Adapters kept in memory per base; LRU beyond it.")
+    max_adapters: int = Field(
+        1024, ge=1,
+        description="Most adapters loaded on a base's device at once (besides profile.adapter_device_bytes); the "
+        "least recently used beyond it move to host memory.",
+    )
     heartbeat_s: float = Field(1.0, gt=0)
     device: str = Field("auto", description="'auto', 'cpu', 'cuda', 'cuda:0', …")
     threads: int | None = Field(

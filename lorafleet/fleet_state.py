@@ -40,6 +40,10 @@ KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 # The fleet file itself, for processes on other hosts (`lorafleet worker`/`gateway` without --fleet). Served
 # names start with a letter or digit (KEY_RE), so this key can never be one of them.
 FLEET_CONFIG_KEY = "_fleet"
+# A promotion's staged entry (`lorafleet promote`): the new version under `_preload.NAME` while the workers of
+# its base preload it, before the live entry NAME is written. Not a served name either, so gateways never
+# route by it; workers turn it into a preload.
+PRELOAD_PREFIX = "_preload."
 # Host-local settings stay out of the shared copy: each process gets its own URL, credential and TLS files
 # on its command line, and API keys are secrets the workers (who can read the bucket) must not see.
 _HOST_LOCAL: dict[str, Any] = {"nats_url": True, "nats": {"creds", "tls_ca", "tls_cert", "tls_key"},
@@ -83,6 +87,15 @@ class FleetEntry(StrictModel):
 
 def adapter_id_for(name: str, version: str | int) -> str:
     return f"{name}@v{version}"
+
+
+def is_served_key(key: str) -> bool:
+    """A key that holds a served name's live entry (not the fleet file, not a staged preload)."""
+    return KEY_RE.match(key) is not None
+
+
+def preload_key(name: str) -> str:
+    return f"{PRELOAD_PREFIX}{name}"
 
 
 def served_models(entries: Iterable[FleetEntry], bases: Iterable[str]) -> list[ServedModel]:
@@ -198,7 +211,7 @@ async def read_entries(kv: Any) -> dict[str, FleetEntry]:
         return {}
     out = {}
     for key in keys:
-        if key == FLEET_CONFIG_KEY:
+        if not is_served_key(key):  # the fleet file, staged preloads
             continue
         with contextlib.suppress(Exception):
             out[key] = FleetEntry.from_bytes((await kv.get(key)).value)
@@ -213,19 +226,32 @@ async def delete_entry(kv: Any, name: str) -> None:
     await kv.delete(name)
 
 
+async def put_staged(kv: Any, entry: FleetEntry) -> int:
+    """Ask the workers of `entry.base` to preload its adapter (the live entry comes after)."""
+    return await kv.put(preload_key(entry.name), entry.to_bytes())
+
+
+async def delete_staged(kv: Any, name: str) -> None:
+    await kv.delete(preload_key(name))
+
+
 OnChange = Callable[[dict[str, FleetEntry]], None]
+OnStaged = Callable[[FleetEntry], None]
 
 
 class FleetWatcher:
     """Keeps the current fleet table from the KV bucket and calls `on_change(table)` after each change.
 
-    The callback runs on the event loop with a fresh dict, so it may keep it without copying.
+    The callback runs on the event loop with a fresh dict, so it may keep it without copying. Staged
+    preloads never enter the table; `on_staged(entry)` (workers) is called for each one written, on the loop.
     """
 
-    def __init__(self, js: Any, on_change: OnChange, bucket: str = FLEET_KV_BUCKET, *, replicas: int = 1) -> None:
+    def __init__(self, js: Any, on_change: OnChange, bucket: str = FLEET_KV_BUCKET, *, replicas: int = 1,
+                 on_staged: OnStaged | None = None) -> None:
         self.js = js
         self.replicas = replicas  # when the bucket is missing and this process creates it
         self.on_change = on_change
+        self.on_staged = on_staged
         self.bucket = bucket
         self.table: dict[str, FleetEntry] = {}
         self.initialised = asyncio.Event()
@@ -242,7 +268,10 @@ class FleetWatcher:
             if entry is None:  # end of the initial values
                 self._mark_initialised()
                 continue
-            if entry.key == FLEET_CONFIG_KEY:  # the fleet file, not a served name
+            if entry.key.startswith(PRELOAD_PREFIX):
+                self._staged(entry)
+                continue
+            if not is_served_key(entry.key):  # the fleet file, not a served name
                 continue
             if entry.operation in ("DEL", "PURGE"):
                 self.table.pop(entry.key, None)
@@ -254,6 +283,14 @@ class FleetWatcher:
                     continue
             if self.initialised.is_set():
                 self._emit()
+
+    def _staged(self, entry: Any) -> None:
+        if self.on_staged is None or entry.operation in ("DEL", "PURGE"):
+            return
+        try:
+            self.on_staged(FleetEntry.from_bytes(entry.value))
+        except Exception as exc:  # a bad entry must not stop the watch
+            log.warning("ignoring staged fleet state entry %s: %s", entry.key, exc)
 
     def _mark_initialised(self) -> None:
         if not self.initialised.is_set():

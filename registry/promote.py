@@ -7,12 +7,19 @@ margin and must not fall behind the current champion's.
 Order matters for "nothing changed on error": everything that can fail for a reason the user must
 fix (unknown version, failing gate, base not served, NATS or the KV bucket unreachable) is checked
 before the alias moves; if the KV write still fails, the alias is moved back.
+
+Preload (registry/preload.py): before the alias moves, the new version is staged and every live worker of
+its base loads it; the fleet switches only once all have confirmed. A worker that does not confirm within
+the timeout fails a promotion (nothing changed: the fleet would otherwise switch to a version some workers
+could not load, and its first requests there would wait for the download); a rollback, which is urgent,
+goes ahead and says which workers did not confirm.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,8 +33,10 @@ from lorafleet.fleet_state import (
     FleetEntry,
     FleetStateError,
     adapter_id_for,
+    delete_staged,
     open_fleet_bucket,
     put_entry,
+    put_staged,
 )
 from lorafleet.nats_auth import CREDS_SUFFIX, explain_connect_error
 from lorafleet.nats_client import ClientSettings, server_urls
@@ -35,11 +44,14 @@ from lorafleet.nats_server import port_open
 from lorafleet.refs import version_uri
 from lorafleet.registry import store
 from lorafleet.registry.bundle import BundleSpec
+from lorafleet.registry.preload import DEFAULT_PRELOAD_TIMEOUT_S, PreloadResult, wait_preloaded
 from lorafleet.registry.store import CANDIDATE, CHAMPION, VersionInfo
 from lorafleet.tasks import GateResult, get_task_kind
 
 DEFAULT_MARGIN = 0.0
 MARGIN_ENV = "LORAFLEET_PROMOTE_MARGIN"
+
+log = logging.getLogger(__name__)
 
 
 class PromotionError(RuntimeError):
@@ -73,6 +85,16 @@ class FleetTarget:
     bases: list[str] | None  # None: learnt from worker heartbeats when connected
     source: str
     client: ClientSettings = field(default_factory=ClientSettings)  # control: writing the fleet bucket is its job
+    heartbeat_s: float = 1.0  # the workers' heartbeat period (the fleet file's), for how long preload listens
+
+
+@dataclass(frozen=True)
+class Preload:
+    """Whether and how long a promotion waits for the workers of the base to load the new version first."""
+
+    enabled: bool = True
+    timeout_s: float = DEFAULT_PRELOAD_TIMEOUT_S
+    progress: Callable[[str], None] | None = None  # progress lines (the CLI prints them); default: the log
 
 
 def control_client(state: ClusterState | None = None, creds: Path | None = None) -> ClientSettings:
@@ -87,19 +109,25 @@ def control_client(state: ClusterState | None = None, creds: Path | None = None)
 def find_fleet(nats_url: str | None = None, fleet_file: Path | None = None, creds: Path | None = None
                ) -> FleetTarget:
     """The cluster to publish to: --nats-url (and --fleet) if given, else LORAFLEET_HOME/cluster.json."""
-    bases: list[str] | None = None
+    fleet: FleetConfig | None = None
     if fleet_file is not None:
-        bases = [b.name for b in load_yaml_model(FleetConfig, fleet_file).bases]
+        fleet = load_yaml_model(FleetConfig, fleet_file)
     if nats_url:
-        return FleetTarget(nats_url, bases, "--nats-url", control_client(creds=creds))
+        return _target(nats_url, fleet, "--nats-url", control_client(creds=creds))
     try:
         state = ClusterState.load(settings.home())
     except ClusterError as exc:
         raise PromotionError(f"{exc}; or name a running cluster with --nats-url") from exc
-    if bases is None:
+    if fleet is None:
         with contextlib.suppress(Exception):
-            bases = [b.name for b in load_yaml_model(FleetConfig, state.fleet_file).bases]
-    return FleetTarget(state.nats_url, bases, str(settings.home() / "cluster.json"), control_client(state, creds))
+            fleet = load_yaml_model(FleetConfig, state.fleet_file)
+    return _target(state.nats_url, fleet, str(settings.home() / "cluster.json"), control_client(state, creds))
+
+
+def _target(url: str, fleet: FleetConfig | None, source: str, client: ClientSettings) -> FleetTarget:
+    if fleet is None:
+        return FleetTarget(url, None, source, client)
+    return FleetTarget(url, [b.name for b in fleet.bases], source, client, fleet.worker.heartbeat_s)
 
 
 async def _heartbeat_bases(nc: object, wait_s: float = 2.5) -> list[str]:
@@ -144,6 +172,7 @@ class Outcome:
     entry: FleetEntry
     gate: GateResult | None
     nats_url: str
+    preload: PreloadResult | None = None  # None: --no-preload
 
 
 def _entry(info: VersionInfo, base: str, profile: ServingProfile | None,
@@ -159,8 +188,38 @@ def _entry(info: VersionInfo, base: str, profile: ServingProfile | None,
                       generation=generation if isinstance(generation, dict) else None)
 
 
+async def _preload(nc: object, kv: object, entry: FleetEntry, target: FleetTarget, preload: Preload
+                   ) -> PreloadResult:
+    """Stage the entry, wait for the workers of its base; PromotionError (staged key removed) when a promotion's
+    workers do not all confirm in time."""
+    say = preload.progress or log.info
+    try:
+        result = await wait_preloaded(nc, entry.base, entry.adapter_id, timeout_s=preload.timeout_s,
+                                      heartbeat_s=target.heartbeat_s, progress=say,
+                                      started=lambda: put_staged(kv, entry))
+    except Exception as exc:
+        with contextlib.suppress(Exception):
+            await delete_staged(kv, entry.name)
+        raise FleetStateError(f"staging {entry.adapter_id} for preload failed, nothing changed: {exc}") from exc
+    if not result.workers:
+        say(f"no live worker of base {entry.base} heard: nothing to preload")
+    elif result.complete:
+        say(f"preloaded {entry.adapter_id} on {len(result.workers)} worker(s) in {result.seconds:.1f}s")
+    else:
+        why = (f"{len(result.missing)} of {len(result.workers)} worker(s) of base {entry.base} did not confirm "
+               f"loading {entry.adapter_id} within {preload.timeout_s:g}s: {', '.join(result.missing)}")
+        if entry.action == "promote":
+            with contextlib.suppress(Exception):
+                await delete_staged(kv, entry.name)
+            raise PromotionError(f"{why}; nothing changed. Their logs say why (download or load failure); "
+                                 "raise --preload-timeout, or pass --no-preload to switch without waiting")
+        say(f"{why}; switching anyway (a rollback does not wait): their first requests load it on demand")
+    return result
+
+
 async def _publish(target: FleetTarget, info: VersionInfo, action: Literal["promote", "rollback"],
-                   move_alias: Callable[[], None], undo_alias: Callable[[], None]) -> FleetEntry:
+                   move_alias: Callable[[], None], undo_alias: Callable[[], None], preload: Preload
+                   ) -> tuple[FleetEntry, PreloadResult | None]:
     _, spec = store.bundle_spec(info.name, info.version)
     nc = await _connect(target.nats_url, target.client)
     try:
@@ -173,21 +232,28 @@ async def _publish(target: FleetTarget, info: VersionInfo, action: Literal["prom
             raise PromotionError(f"{info.name} v{info.version} runs on base {spec.base.name!r}, which this fleet "
                                  f"does not serve (it serves: {', '.join(bases)}); add the base to the fleet first")
         entry = _entry(info, spec.base.name, spec.profile, action, spec)
+        preloaded = await _preload(nc, kv, entry, target, preload) if preload.enabled else None
         move_alias()
         try:
             await put_entry(kv, entry)
         except Exception as exc:
             undo_alias()
             raise FleetStateError(f"writing the fleet state failed, alias restored: {exc}") from exc
-        return entry
+        finally:
+            if preloaded is not None:
+                with contextlib.suppress(Exception):  # workers ignore a stale one: the adapter is loaded
+                    await delete_staged(kv, entry.name)
+        return entry, preloaded
     finally:
         with contextlib.suppress(Exception):
             await nc.close()  # type: ignore[attr-defined]
 
 
 def promote(name: str, version: str | int | None = None, *, force: bool = False, margin: float | None = None,
-            nats_url: str | None = None, fleet_file: Path | None = None, creds: Path | None = None) -> Outcome:
-    """Gate, move `champion` to the version (default: the `candidate` alias, else the newest), publish live."""
+            nats_url: str | None = None, fleet_file: Path | None = None, creds: Path | None = None,
+            preload: Preload | None = None) -> Outcome:
+    """Gate, preload on the workers of its base, move `champion` to the version (default: the `candidate` alias,
+    else the newest), publish live."""
     margin = default_margin() if margin is None else margin
     if version is None:
         version = store.alias_version(name, CANDIDATE)
@@ -213,13 +279,14 @@ def promote(name: str, version: str | int | None = None, *, force: bool = False,
             store.set_alias(name, CHAMPION, current)
         store.set_champion_history(name, history)
 
-    entry = asyncio.run(_publish(target, info, "promote", move, undo))
-    return Outcome(name, info.version, current, "promote", entry, gate, target.nats_url)
+    entry, preloaded = asyncio.run(_publish(target, info, "promote", move, undo, preload or Preload()))
+    return Outcome(name, info.version, current, "promote", entry, gate, target.nats_url, preloaded)
 
 
 def rollback(name: str, *, nats_url: str | None = None, fleet_file: Path | None = None,
-             creds: Path | None = None) -> Outcome:
-    """Move `champion` back to the version that held it before, and publish that live."""
+             creds: Path | None = None, preload: Preload | None = None) -> Outcome:
+    """Move `champion` back to the version that held it before, and publish that live (after a preload that
+    goes ahead on timeout)."""
     current = store.alias_version(name, CHAMPION)
     if current is None:
         raise PromotionError(f"{name} has no champion to roll back from (promote a version first)")
@@ -240,6 +307,6 @@ def rollback(name: str, *, nats_url: str | None = None, fleet_file: Path | None 
         store.set_alias(name, CHAMPION, current)
         store.set_champion_history(name, history)
 
-    entry = asyncio.run(_publish(target, info, "rollback", move, undo))
-    return Outcome(name, info.version, current, "rollback", entry, None, target.nats_url)
+    entry, preloaded = asyncio.run(_publish(target, info, "rollback", move, undo, preload or Preload()))
+    return Outcome(name, info.version, current, "rollback", entry, None, target.nats_url, preloaded)
 

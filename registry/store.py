@@ -22,6 +22,7 @@ from lorafleet import settings
 from lorafleet.config import ServingProfile
 from lorafleet.metrics import from_mlflow_key, mlflow_key
 from lorafleet.refs import NAME_RE
+from lorafleet.registry import bundle_cache
 from lorafleet.registry.bundle import (
     ADAPTER_DIR,
     BUNDLE_FILE,
@@ -34,6 +35,7 @@ from lorafleet.registry.bundle import (
     sha256_file,
     verify_bundle,
 )
+from lorafleet.registry.bundle_cache import bundle_cache_dir
 from lorafleet.tasks import MetricSpec, get_task_kind
 
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
@@ -308,8 +310,7 @@ def download_bundle(name: str, ref: str | int | None, dest: str | Path, *, reuse
     """Download version `ref` (number or alias) of bundle `name` into `dest`, verifying every sha256.
 
     `dest` must not exist, be empty, or (with `reuse`) already hold this very bundle, verified again.
-    A tampered or incomplete bundle raises BundleIntegrityError and leaves nothing at `dest`.
-    """
+    A tampered or incomplete bundle raises BundleIntegrityError and leaves nothing at `dest`."""
     from mlflow.artifacts import download_artifacts
 
     info = get_version(name, ref)
@@ -335,9 +336,9 @@ def download_bundle(name: str, ref: str | int | None, dest: str | Path, *, reuse
             if len(subdirs) == 1 and (subdirs[0] / BUNDLE_FILE).is_file():
                 root = subdirs[0]
         verify_bundle(root, expected)
-        if dest.exists():
-            dest.rmdir()
         try:
+            if dest.exists():
+                dest.rmdir()  # an empty leftover; not empty when another worker renamed its copy there meanwhile
             os.replace(root, dest)
         except OSError:
             # Another process (a second worker) put the same bundle there first; use it if it verifies.
@@ -365,14 +366,17 @@ def bundle_spec(name: str, ref: str | int | None) -> tuple[VersionInfo, BundleSp
         return info, read_spec(Path(tmp))
 
 
-def bundle_cache_dir(name: str, version: str) -> Path:
-    return settings.home() / "bundles" / name / f"v{version}"
-
-
 def fetch_adapter(name: str, ref: str | int | None) -> tuple[Path, BundleSpec, VersionInfo]:
-    """Download (cached under LORAFLEET_HOME/bundles) and verify a bundle; its adapter dir, spec and version."""
+    """Download (cached under LORAFLEET_HOME/bundles, bounded by LORAFLEET_BUNDLE_CACHE_BYTES: least recently used
+    bundles go after a download, see `bundle_cache`) and verify a bundle; its adapter dir, spec and version."""
     info = get_version(name, ref)
-    path = download_bundle(name, info.version, bundle_cache_dir(name, info.version))
+    limit = bundle_cache.cache_limit()  # a bad setting fails before the download
+    dest = bundle_cache_dir(name, info.version)
+    fresh = not (dest / BUNDLE_FILE).is_file()
+    path = download_bundle(name, info.version, dest)
+    bundle_cache.touch(path)
+    if fresh:
+        bundle_cache.prune(bundle_cache.cache_root(), limit, keep=path)
     return path / ADAPTER_DIR, read_spec(path), info
 
 

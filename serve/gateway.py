@@ -282,7 +282,9 @@ class Gateway:
 
     def _check_available(self, base: str) -> JetStreamContext:
         nc, js = self.nc, self.js
-        if nc is None or js is None or not nc.is_connected:
+        # While the client reconnects (its node was lost) publishes are buffered and publish_task retries
+        # through the failover: only a connection that is gone or not yet made answers 503 here.
+        if nc is None or js is None or not (nc.is_connected or nc.is_reconnecting):
             raise ApiError(503, "queue_unavailable", "the gateway is not connected to NATS; retry shortly",
                            self._retry_after)
         if not self.workers.serves(base) and base not in self._scale_to_zero:

@@ -1,21 +1,50 @@
-"""The per-base LRU of loaded adapters on one runtime.
+"""The adapters of one base on one runtime, in memory tiers bounded in bytes: device → host → disk → registry.
 
-URIs are resolved by the core adapter-source contract (`lorafleet.adapters.resolve_adapter_uri`:
-plain paths, `file://`, and plugin schemes such as the registry's `models:`).
+- **device** (hot): loaded on the runtime, ready to compute; at most `max_adapters` of them and
+  `device_bytes` of weights, least recently used moved down first.
+- **host** (warm): `AdapterWeights` read into host memory (`Runtime.read_adapter`), loaded back with
+  `Runtime.load_adapter_weights` without touching the disk; at most `host_bytes`, least recently used
+  dropped. Only for runtimes that return weights from `read_adapter` (others keep no host tier).
+- **disk**: the peft folder a URI resolves to (a local path, or the registry's bundle cache, which
+  `registry.store` bounds by `LORAFLEET_BUNDLE_CACHE_BYTES`); **registry**: what a plugin scheme such as
+  `models:` downloads into that cache. URIs are resolved by the core adapter-source contract
+  (`lorafleet.adapters.resolve_adapter_uri`, or the worker's `AdapterPolicy.resolve`).
+
+An adapter's bytes are its weights' `nbytes` when the runtime read them, else the size of its
+`*.safetensors` / `*.bin` files. A hot adapter keeps a reference to its host copy, so moving it down costs
+no disk read; that copy is host memory beside what the device holds (on a CPU device the same memory,
+when the runtime shares the tensors as the sentence-transformers runtime does), so adapter weights take
+at most `device_bytes` on the device and `device_bytes + host_bytes` of host memory.
+
+`use(wanted)` pins the adapters a batch needs while it computes: a pinned adapter is never evicted, an
+adapter that finds no room because everything else hot is pinned is deferred (the caller runs it in a
+next pass), and a failed load fails only that adapter. Main thread only, like the runtime.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
-from collections.abc import Callable
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from lorafleet.adapters import AdapterUnavailable, resolve_adapter_uri
-from lorafleet.sidecar.runtime import Runtime
+from lorafleet.adapters import AdapterUnavailable, local_path_of, resolve_adapter_uri
+from lorafleet.config import MIB
+from lorafleet.sidecar.runtime import AdapterWeights, Runtime
 
 log = logging.getLogger(__name__)
+
+DEVICE, HOST = "device", "host"  # the tiers the cache holds
+DISK, REGISTRY = "disk", "registry"  # where a load from below the cache came from (a local path; a plugin scheme)
+TIERS = (DEVICE, HOST)
+SOURCES = (HOST, DISK, REGISTRY)
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+DEFAULT_MAX_ADAPTERS = 1024
+DEFAULT_DEVICE_BYTES = 256 * MIB
+DEFAULT_HOST_BYTES = 512 * MIB
 
 
 class LruSet:
@@ -50,44 +79,264 @@ class LruSet:
 
 
 class AdapterEvents(Protocol):
-    """Told of every load and eviction, with the number of adapters held after it (metrics.AdapterEvents)."""
+    """Told of every load and eviction (metrics.AdapterEvents). `loaded`/`evicted` carry the number of adapters
+    on the device after it (engine runtimes call only these two); the tiered cache also says where a load came
+    from, which tier an eviction left, and each tier's size after a change."""
 
     def loaded(self, held: int) -> None: ...
 
     def evicted(self, held: int) -> None: ...
 
+    def loaded_from(self, source: str) -> None:
+        """A load onto the device from `source`: "host", "disk" or "registry"."""
+
+    def evicted_from(self, tier: str) -> None:
+        """An adapter left `tier` to make room: "device" (moved to host, or dropped) or "host" (dropped)."""
+
+    def tier_size(self, tier: str, adapters: int, nbytes: int) -> None:
+        """What `tier` holds now."""
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    adapters: int
+    nbytes: int
+    limit_bytes: int
+
+
+@dataclass(slots=True)
+class AdapterUse:
+    """What `AdapterCache.use` could do for the adapters a batch wants."""
+
+    ready: set[str] = field(default_factory=set)  # on the device, pinned until the with-block ends
+    failed: dict[str, BaseException] = field(default_factory=dict)  # AdapterUnavailable: permanent; else transient
+    deferred: set[str] = field(default_factory=set)  # no room now (everything else hot is pinned): run them next
+    loaded_now: set[str] = field(default_factory=set)  # ready ones that had to be loaded
+    sources: dict[str, str] = field(default_factory=dict)  # loaded_now id → "host" | "disk" | "registry"
+
+
+@dataclass(slots=True)
+class _Held:
+    nbytes: int
+    weights: AdapterWeights | None  # the host copy (None: this runtime loads from disk only)
+
+
+class NoRoom(Exception):
+    """Every adapter that could make room is pinned."""
+
+
+def files_nbytes(path: Path) -> int:
+    """Bytes of an adapter folder's weight files (0 when there are none to see)."""
+    try:
+        return sum(p.stat().st_size for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
+    except OSError:
+        return 0
+
+
+def source_of(uri: str) -> str:
+    return DISK if local_path_of(uri) is not None else REGISTRY
+
 
 class AdapterCache:
-    """Keeps at most `max_adapters` adapters loaded on one runtime; loads on demand, evicts LRU."""
+    """The device and host tiers of one base's adapters on one runtime (see the module docstring)."""
 
-    def __init__(self, runtime: Runtime, max_adapters: int,
-                 resolve: Callable[[str], Path] = resolve_adapter_uri, events: AdapterEvents | None = None) -> None:
+    def __init__(self, runtime: Runtime, max_adapters: int = DEFAULT_MAX_ADAPTERS,
+                 resolve: Callable[[str], Path] = resolve_adapter_uri, events: AdapterEvents | None = None, *,
+                 device_bytes: int = DEFAULT_DEVICE_BYTES, host_bytes: int = DEFAULT_HOST_BYTES) -> None:
+        if max_adapters < 1:
+            raise ValueError("max_adapters must be at least 1")
+        if device_bytes < 1 or host_bytes < 0:
+            raise ValueError("device_bytes must be positive and host_bytes not negative")
         self.runtime = runtime
-        self.lru = LruSet(max_adapters)
+        self.max_adapters = max_adapters
+        self.device_bytes = device_bytes
+        self.host_bytes = host_bytes
         self.resolve = resolve
         self.events = events
+        self._hot: OrderedDict[str, _Held] = OrderedDict()  # LRU order, most recent last
+        self._warm: OrderedDict[str, AdapterWeights] = OrderedDict()
+        self._hot_bytes = 0
+        self._warm_bytes = 0
+        self._pins: Counter[str] = Counter()
+
+    # -- what callers ask ----------------------------------------------------------------------------
+    @contextmanager
+    def use(self, wanted: Mapping[str, str | None]) -> Iterator[AdapterUse]:
+        """Make the `wanted` adapters (id → URI, None when none is known) hot and pin them for the with-block.
+
+        Progress: unless another open `use` pins adapters, at least one wanted adapter ends ready or failed."""
+        use = AdapterUse()
+        pinned: list[str] = []
+        try:
+            for adapter_id in wanted:  # pin the hot ones first, so loading the others cannot evict them
+                if adapter_id in self._hot:
+                    self._hot.move_to_end(adapter_id)
+                    self._pin(adapter_id, pinned)
+                    use.ready.add(adapter_id)
+            for adapter_id, uri in wanted.items():
+                if adapter_id in use.ready:
+                    continue
+                try:
+                    use.sources[adapter_id] = self._load(adapter_id, uri)
+                except NoRoom:
+                    use.deferred.add(adapter_id)
+                    continue
+                except Exception as exc:  # the caller fails this adapter's tasks with it (transient)
+                    use.failed[adapter_id] = exc
+                    continue
+                self._pin(adapter_id, pinned)
+                use.ready.add(adapter_id)
+                use.loaded_now.add(adapter_id)
+            yield use
+        finally:
+            for adapter_id in pinned:
+                self._pins[adapter_id] -= 1
+                if self._pins[adapter_id] <= 0:
+                    del self._pins[adapter_id]
+
+    def preload(self, adapter_id: str, uri: str | None) -> str:
+        """Make `adapter_id` hot, or warm when the device has no room; returns where it came from: "device" (it
+        was hot), "host", "disk" or "registry". Raises what its load raised."""
+        if adapter_id in self._hot:
+            self._hot.move_to_end(adapter_id)
+            return DEVICE
+        was_warm = adapter_id in self._warm
+        with self.use({adapter_id: uri}) as use:
+            if adapter_id in use.failed:
+                raise use.failed[adapter_id]
+            if adapter_id not in use.deferred:
+                return use.sources[adapter_id]
+        if adapter_id not in self._warm:
+            raise RuntimeError(f"no room for adapter {adapter_id!r} on the device (every hot adapter is pinned) nor "
+                               "in host memory")
+        log.info("preloaded adapter %s into host memory only (every hot adapter is pinned)", adapter_id)
+        return HOST if was_warm or not uri else source_of(uri)
 
     def ensure(self, adapter_id: str, uri: str | None) -> bool:
-        """Make `adapter_id` loaded and most recent; True when it had to be loaded now."""
-        if adapter_id in self.lru:
-            self.lru.touch(adapter_id)
-            return False
+        """Make `adapter_id` hot and most recent (not pinned); True when it had to be loaded now."""
+        with self.use({adapter_id: uri}) as use:
+            if adapter_id in use.failed:
+                raise use.failed[adapter_id]
+            if adapter_id in use.deferred:
+                raise RuntimeError(f"no room for adapter {adapter_id!r}: every hot adapter is pinned")
+            return adapter_id in use.loaded_now
+
+    def loaded(self) -> list[str]:
+        """The hot adapters, least recently used first."""
+        return list(self._hot)
+
+    def tier_of(self, adapter_id: str) -> str | None:
+        if adapter_id in self._hot:
+            return DEVICE
+        return HOST if adapter_id in self._warm else None
+
+    def stats(self) -> dict[str, TierStats]:
+        return {DEVICE: TierStats(len(self._hot), self._hot_bytes, self.device_bytes),
+                HOST: TierStats(len(self._warm), self._warm_bytes, self.host_bytes)}
+
+    # -- loading and eviction -------------------------------------------------------------------------
+    def _pin(self, adapter_id: str, pinned: list[str]) -> None:
+        self._pins[adapter_id] += 1
+        pinned.append(adapter_id)
+
+    def _load(self, adapter_id: str, uri: str | None) -> str:
+        """Load a cold or warm adapter onto the device; returns its source. NoRoom when it cannot fit now."""
+        weights = self._warm.get(adapter_id)
+        if weights is not None:
+            self._check_fits(adapter_id, weights.nbytes)
+            # Out of the host tier while it moves up, so the room made below never drops this very copy.
+            self._drop_warm(adapter_id, evicted=False)
+            try:
+                self._make_room(weights.nbytes)
+                self.runtime.load_adapter_weights(adapter_id, weights)
+            except AdapterUnavailable:
+                raise
+            except Exception:
+                self._stash(adapter_id, weights)  # no room now, or a transient failure: keep it warm
+                raise
+            self._add_hot(adapter_id, _Held(weights.nbytes, weights), HOST)
+            return HOST
         if not uri:
             raise AdapterUnavailable(f"adapter {adapter_id!r} has no URI (neither in the task nor in the fleet config)")
         path = self.resolve(uri)
-        # Evict first, so peak memory stays at max_adapters.
-        while len(self.lru) >= self.lru.capacity:
-            victim = self.lru.keys()[0]
-            log.info("evicting adapter %s (LRU, max_adapters=%d)", victim, self.lru.capacity)
-            self.lru.discard(victim)
-            self.runtime.unload_adapter(victim)
-            if self.events is not None:
-                self.events.evicted(len(self.lru))
-        self.runtime.load_adapter(adapter_id, str(path))
-        self.lru.touch(adapter_id)
-        if self.events is not None:
-            self.events.loaded(len(self.lru))
-        return True
+        source = source_of(uri)
+        weights = self.runtime.read_adapter(adapter_id, str(path))
+        nbytes = weights.nbytes if weights is not None else files_nbytes(path)
+        self._check_fits(adapter_id, nbytes)
+        try:
+            self._make_room(nbytes)
+        except NoRoom:
+            if weights is not None:
+                self._stash(adapter_id, weights)  # read already: the next pass loads it from host memory
+            raise
+        if weights is not None:
+            self.runtime.load_adapter_weights(adapter_id, weights)
+        else:
+            self.runtime.load_adapter(adapter_id, str(path))
+        self._add_hot(adapter_id, _Held(nbytes, weights), source)
+        return source
 
-    def loaded(self) -> list[str]:
-        return self.lru.keys()
+    def _check_fits(self, adapter_id: str, nbytes: int) -> None:
+        if nbytes > self.device_bytes:
+            raise AdapterUnavailable(
+                f"adapter {adapter_id!r} has {nbytes} bytes of weights, more than the {self.device_bytes} bytes this "
+                "worker keeps on the device per base (raise worker.profile.adapter_device_bytes)")
+
+    def _make_room(self, nbytes: int) -> None:
+        """Evict unpinned hot adapters, least recently used first, until one of `nbytes` fits; NoRoom if it can't."""
+        unpinned = [a for a in self._hot if a not in self._pins]
+        room_bytes = self._hot_bytes + nbytes - sum(self._hot[a].nbytes for a in unpinned)
+        if room_bytes > self.device_bytes or len(self._hot) - len(unpinned) + 1 > self.max_adapters:
+            raise NoRoom  # decided before unloading anything, so a deferral costs no eviction
+        for victim in unpinned:
+            if len(self._hot) + 1 <= self.max_adapters and self._hot_bytes + nbytes <= self.device_bytes:
+                break
+            self._evict_hot(victim)
+
+    def _add_hot(self, adapter_id: str, held: _Held, source: str) -> None:
+        self._hot[adapter_id] = held
+        self._hot_bytes += held.nbytes
+        if self.events is not None:
+            self.events.loaded(len(self._hot))
+            self.events.loaded_from(source)
+            self._report(DEVICE)
+
+    def _evict_hot(self, victim: str) -> None:
+        log.info("evicting adapter %s from the device (LRU; max_adapters=%d, adapter_device_bytes=%d)", victim,
+                 self.max_adapters, self.device_bytes)
+        self.runtime.unload_adapter(victim)
+        held = self._hot.pop(victim)
+        self._hot_bytes -= held.nbytes
+        if self.events is not None:
+            self.events.evicted(len(self._hot))
+            self.events.evicted_from(DEVICE)
+            self._report(DEVICE)
+        if held.weights is not None:
+            self._stash(victim, held.weights)
+
+    def _stash(self, adapter_id: str, weights: AdapterWeights) -> None:
+        """Keep a host copy, dropping the least recently used ones beyond host_bytes (none if it cannot fit)."""
+        if weights.nbytes > self.host_bytes:
+            return
+        self._drop_warm(adapter_id, evicted=False)
+        while self._warm and self._warm_bytes + weights.nbytes > self.host_bytes:
+            self._drop_warm(next(iter(self._warm)), evicted=True)
+        self._warm[adapter_id] = weights
+        self._warm_bytes += weights.nbytes
+        if self.events is not None:
+            self._report(HOST)
+
+    def _drop_warm(self, adapter_id: str, evicted: bool) -> None:
+        weights = self._warm.pop(adapter_id, None)
+        if weights is None:
+            return
+        self._warm_bytes -= weights.nbytes
+        if self.events is not None:
+            if evicted:
+                self.events.evicted_from(HOST)
+            self._report(HOST)
+
+    def _report(self, tier: str) -> None:
+        assert self.events is not None
+        s = self.stats()[tier]
+        self.events.tier_size(tier, s.adapters, s.nbytes)

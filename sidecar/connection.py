@@ -7,9 +7,7 @@ through a queue bounded by the scheduler's slots, settles each task when the mai
 outcome back (settle.py), keeps held messages alive (in_progress), publishes heartbeats and watches the
 fleet state. Bases whose runtime is an engine get a lane of their own on this loop (engine_lane.py),
 which also starts and stops their engines: the engine processes are tied to this thread. Generated
-text is streamed back from here (streaming.py). Per-task work here is kept small: decode, reply, ack.
-The main thread talks to it only through the thread-safe methods at the top of `NatsSide`.
-"""
+text is streamed back from here (streaming.py). Per-task work here is kept small: decode, reply, ack."""
 
 from __future__ import annotations
 
@@ -26,7 +24,7 @@ from typing import Any
 import nats
 
 from lorafleet.config import FleetConfig
-from lorafleet.fleet_state import FleetWatcher
+from lorafleet.fleet_state import FleetEntry, FleetWatcher
 from lorafleet.heartbeats import Beacon
 from lorafleet.nats_auth import explain_connect_error
 from lorafleet.nats_client import RECONNECT_OPTIONS, server_urls
@@ -39,6 +37,7 @@ from lorafleet.sidecar.engine_lane import UriFor
 from lorafleet.sidecar.engines import EngineLanes
 from lorafleet.sidecar.intake import Intake
 from lorafleet.sidecar.owners import OwnerTracker
+from lorafleet.sidecar.preload import preload_engine
 from lorafleet.sidecar.pull import IDLE_POLL_S
 from lorafleet.sidecar.runtime import EngineRuntime
 from lorafleet.sidecar.scheduler import PullScheduler
@@ -73,7 +72,10 @@ class NatsSide:
         self.stop_requested = False
         self.batches_done = 0
         self.on_fleet_state: Callable[[dict[str, Any]], None] | None = None  # set by the worker
+        self.on_preload: Callable[[FleetEntry], None] | None = None  # a promotion's staged entry (sidecar/preload.py)
+        self._preloads: set[asyncio.Task[None]] = set()
         self.on_settled: Callable[[str, str], None] | None = None  # (base, outcome) per task: the worker's metrics
+        self.mixed_bases: frozenset[str] = frozenset()
         self._stopping = False
         self._last_error: BaseException | None = None
         self._last_error_logged = 0.0
@@ -115,10 +117,12 @@ class NatsSide:
 
     def start_serving(self, dims: dict[str, int],
                       engines: dict[str, tuple[EngineRuntime, EngineAdapters]] | None = None,
-                      uri_for: UriFor | None = None) -> None:
+                      uri_for: UriFor | None = None, mixed_bases: frozenset[str] = frozenset()) -> None:
         """Serve: `dims` of the embedding bases; `engines` (base → engine runtime and its adapter cache) are
-        started on the loop, each with a lane of its own; `uri_for(adapter, task uri)` finds adapters."""
+        started on the loop, each with a lane of its own; `uri_for(adapter, task uri)` finds adapters;
+        `mixed_bases`: bases whose batches mix adapters (the runtime computes them in one pass)."""
         self.dims.update(dims)
+        self.mixed_bases = mixed_bases
         self.engines = EngineLanes(engines, uri_for)
         self._post(self._models_ready.set)
 
@@ -185,7 +189,7 @@ class NatsSide:
         log.info("connected to %s; consumers ready for %s", self.nats_url, ", ".join(self.bases))
         if self.on_fleet_state is not None:  # promoted bundles: URIs and profiles per adapter id
             try:
-                self._fleet_watch = FleetWatcher(self.js, self.on_fleet_state)
+                self._fleet_watch = FleetWatcher(self.js, self.on_fleet_state, on_staged=self._staged)
                 await self._fleet_watch.start()
             except Exception as exc:
                 log.warning("cannot watch the fleet state bucket: %r; using the fleet file only", exc)
@@ -205,7 +209,8 @@ class NatsSide:
             if batch_psubs:
                 self._scheduler = PullScheduler(self.fleet, batch_psubs, self.held, self._settler, self._handoff,
                                                 self.profile_for, self._slots, lambda: self._stopping,
-                                                owners=self.owners, on_pull_error=self._keeper.pull_failed)
+                                                owners=self.owners, on_pull_error=self._keeper.pull_failed,
+                                                mixed_bases=self.mixed_bases)
             self.engines.start(self._psubs, Intake(self.held, self._settler, self.owners), self._settler,
                                self.streams, lambda: self._stopping, self._keeper.pull_failed, self._fatal)
             await self._publish_heartbeat(0.0)  # the launcher waits for this one to call the worker ready
@@ -331,6 +336,15 @@ class NatsSide:
                 self.streams.open(item.task, num_delivered(item.msg), bool(item.params and item.params.stream))
         self.ready.put_nowait(batch)
 
+    def _staged(self, entry: FleetEntry) -> None:
+        """A promotion stages a version: an engine loads it on this loop, a batch runtime via `on_preload`."""
+        lane = self.engines.lanes.get(entry.base)  # lanes: this worker's engine bases only
+        if entry.base in self.bases and entry.base not in self.engines and self.on_preload is not None:
+            self.on_preload(entry)
+        elif lane is not None and lane.ready:  # an engine not serving yet is not in heartbeats: nobody waits
+            self._preloads.add(task := asyncio.create_task(preload_engine(lane.adapters, entry)))
+            task.add_done_callback(self._preloads.discard)
+
     def _fatal(self, exc: BaseException) -> None:
         if self.error is None:
             self.error = exc
@@ -361,9 +375,8 @@ class NatsSide:
             await self._publish_heartbeat(rate)
 
     async def _publish_heartbeat(self, batches_per_s: float) -> None:
-        # Only the bases this worker can pull for right now (their consumer exists): a gateway counts a
-        # base as served, and itself as ready, by these.
-        # An engine's base only once its engine serves.
+        # Only the bases this worker can pull for right now (their consumer exists; an engine's once it serves):
+        # a gateway counts a base as served, and itself as ready, by these.
         bases = self._keeper.healthy_bases() if self._keeper is not None else list(self.bases)
         bases = [b for b in bases if self.engines.serves(b)]
         rates: dict[str, float] = {}

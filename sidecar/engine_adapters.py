@@ -6,6 +6,11 @@ that load), an adapter with sequences in flight is never evicted (the cache may 
 capacity until one finishes), and resolving a URI (a registry download, sha256 checks) runs in a
 thread, never on the event loop. A new version of a bundle has a new adapter id (`NAME@vN`), so a
 promotion loads it beside the old one, with no engine restart.
+
+Capacity: an engine with its own adapter cache (`EngineRuntime.adapter_capacity`, vLLM's
+max_cpu_loras) sets the bound, not the worker's `max_adapters`: unloading sooner would throw away
+adapters the engine still holds in host memory, keeping more registered would leave the engine
+rereading adapter folders on its own, which the bundle cache may delete meanwhile.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ log = logging.getLogger(__name__)
 class EngineAdapters:
     def __init__(self, runtime: EngineRuntime, capacity: int, resolve: Callable[[str], Path],
                  events: AdapterEvents | None = None) -> None:
+        capacity = runtime.adapter_capacity or capacity
         if capacity < 1:
             raise ValueError("capacity must be at least 1")
         self.runtime = runtime

@@ -16,6 +16,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 
+from lorafleet.sidecar.adapters import SOURCES, TIERS
+
 # Names, for dashboards (deploy/grafana/lorafleet.json is checked against them) and the report.
 TASKS = "lorafleet_worker_tasks"  # _total{base, outcome}: outcome = acks.Situation value (ok, deadline, …)
 BATCH_SIZE = "lorafleet_worker_batch_size"  # histogram{base}: tasks per computed batch (batch runtimes)
@@ -25,10 +27,15 @@ SLOTS = "lorafleet_worker_slots"  # gauge{base}: sequences an engine base keeps 
 SLOTS_IN_USE = "lorafleet_worker_slots_in_use"  # gauge{base}: sequences in flight on an engine base
 ADAPTERS_LOADED = "lorafleet_worker_adapters_loaded"  # gauge{base}
 ADAPTER_LOADS = "lorafleet_worker_adapter_loads"  # _total{base}
-ADAPTER_EVICTIONS = "lorafleet_worker_adapter_evictions"  # _total{base}
+ADAPTER_EVICTIONS = "lorafleet_worker_adapter_evictions"  # _total{base}: from the device
+# Adapter memory tiers (sidecar/adapters.py) of batch runtimes: device (hot) → host (warm) → disk → registry.
+ADAPTER_LOADS_BY_SOURCE = "lorafleet_worker_adapter_loads_by_source"  # _total{base, source}: host, disk, registry
+ADAPTER_TIER_EVICTIONS = "lorafleet_worker_adapter_tier_evictions"  # _total{base, tier}: device, host
+ADAPTER_TIER_BYTES = "lorafleet_worker_adapter_tier_bytes"  # gauge{base, tier}
+ADAPTER_TIER_ADAPTERS = "lorafleet_worker_adapter_tier_adapters"  # gauge{base, tier}
 
 NAMES = (TASKS, BATCH_SIZE, BATCH_SECONDS, TASKS_IN_FLIGHT, SLOTS, SLOTS_IN_USE, ADAPTERS_LOADED, ADAPTER_LOADS,
-         ADAPTER_EVICTIONS)
+         ADAPTER_EVICTIONS, ADAPTER_LOADS_BY_SOURCE, ADAPTER_TIER_EVICTIONS, ADAPTER_TIER_BYTES, ADAPTER_TIER_ADAPTERS)
 
 DEFAULT_PORT = 9464  # the port the deploy manifests scrape (Prometheus' conventional exporter range)
 
@@ -38,12 +45,18 @@ _SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.
 
 
 class AdapterEvents:
-    """What an adapter cache reports about one base: a load, an eviction, and how many adapters it holds now."""
+    """What an adapter cache reports about one base: a load (and from where), an eviction (and from which tier),
+    how many adapters the device holds now, and each tier's size."""
 
-    __slots__ = ("_evictions", "_loaded", "_loads")
+    __slots__ = ("_evictions", "_loaded", "_loads", "_sources", "_tier_adapters", "_tier_bytes", "_tier_evictions")
 
-    def __init__(self, loads: Any, evictions: Any, loaded: Any) -> None:
+    def __init__(self, loads: Any, evictions: Any, loaded: Any, sources: dict[str, Any] | None = None,
+                 tier_evictions: dict[str, Any] | None = None, tier_bytes: dict[str, Any] | None = None,
+                 tier_adapters: dict[str, Any] | None = None) -> None:
         self._loads, self._evictions, self._loaded = loads, evictions, loaded
+        self._sources = sources or {}
+        self._tier_evictions = tier_evictions or {}
+        self._tier_bytes, self._tier_adapters = tier_bytes or {}, tier_adapters or {}
 
     def loaded(self, held: int) -> None:
         self._loads.inc()
@@ -52,6 +65,19 @@ class AdapterEvents:
     def evicted(self, held: int) -> None:
         self._evictions.inc()
         self._loaded.set(held)
+
+    def loaded_from(self, source: str) -> None:
+        if source in self._sources:
+            self._sources[source].inc()
+
+    def evicted_from(self, tier: str) -> None:
+        if tier in self._tier_evictions:
+            self._tier_evictions[tier].inc()
+
+    def tier_size(self, tier: str, adapters: int, nbytes: int) -> None:
+        if tier in self._tier_bytes:
+            self._tier_bytes[tier].set(nbytes)
+            self._tier_adapters[tier].set(adapters)
 
 
 class WorkerMetrics:
@@ -73,6 +99,16 @@ class WorkerMetrics:
         self.adapter_loads = Counter(ADAPTER_LOADS, "Adapters loaded.", ["base"], registry=r)
         self.adapter_evictions = Counter(ADAPTER_EVICTIONS, "Adapters evicted to make room (LRU).", ["base"],
                                          registry=r)
+        self.adapter_loads_by_source = Counter(
+            ADAPTER_LOADS_BY_SOURCE, "Adapters loaded onto the device, by where they came from: host (memory), disk "
+            "(a local folder), registry (a plugin scheme's download).", ["base", "source"], registry=r)
+        self.adapter_tier_evictions = Counter(
+            ADAPTER_TIER_EVICTIONS, "Adapters that left a memory tier to make room (LRU): device (moved to host "
+            "memory, or dropped), host (dropped).", ["base", "tier"], registry=r)
+        self.adapter_tier_bytes = Gauge(ADAPTER_TIER_BYTES, "Bytes of adapter weights held per memory tier.",
+                                        ["base", "tier"], registry=r)
+        self.adapter_tier_adapters = Gauge(ADAPTER_TIER_ADAPTERS, "Adapters held per memory tier.", ["base", "tier"],
+                                           registry=r)
         for base in bases:  # export zeros, so a dashboard shows the families before the first task
             self.tasks.labels(base, "ok")
             self.batch_size.labels(base)
@@ -95,7 +131,11 @@ class WorkerMetrics:
 
     def adapter_events(self, base: str) -> AdapterEvents:
         return AdapterEvents(self.adapter_loads.labels(base), self.adapter_evictions.labels(base),
-                             self.adapters_loaded.labels(base))
+                             self.adapters_loaded.labels(base),
+                             sources={s: self.adapter_loads_by_source.labels(base, s) for s in SOURCES},
+                             tier_evictions={t: self.adapter_tier_evictions.labels(base, t) for t in TIERS},
+                             tier_bytes={t: self.adapter_tier_bytes.labels(base, t) for t in TIERS},
+                             tier_adapters={t: self.adapter_tier_adapters.labels(base, t) for t in TIERS})
 
     def watch(self, in_flight: Callable[[], float],
               engine_slots: dict[str, Callable[[], tuple[int, int]]] | None = None) -> None:

@@ -30,9 +30,9 @@ Contract (both):
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
@@ -42,7 +42,8 @@ from lorafleet.config import BaseModelSpec
 from lorafleet.device import resolve_device
 from lorafleet.wire import CAPABILITIES, EMBED, GenerateParams
 
-__all__ = ["ABORTED", "AdapterUnavailable", "EngineDown", "EngineRuntime", "EngineStats", "GenerateInput", "Generated",
+__all__ = ["ABORTED", "AdapterUnavailable", "AdapterWeights",
+           "EngineDown", "EngineRuntime", "EngineStats", "GenerateInput", "Generated",
            "RequestRefused", "Runtime", "TokenSink", "create_runtime", "runtime_class"]
 
 # Finish reasons besides the engine's own ("stop", "length").
@@ -78,6 +79,17 @@ class Generated:
     finish_reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class AdapterWeights:
+    """An adapter read into host memory (the tier between the device and the local disk): what
+    `Runtime.read_adapter` returns and `Runtime.load_adapter_weights` puts on the device."""
+
+    path: str  # the folder it was read from
+    nbytes: int  # bytes of its tensors, what the host tier counts
+    config: Any = None  # the runtime's own objects (peft's LoraConfig, a state dict): opaque to the cache
+    tensors: Any = field(default=None, repr=False)
+
+
 class TokenSink(Protocol):
     """Where a batch runtime's `generate` sends text as it is produced (from the main thread)."""
 
@@ -93,6 +105,9 @@ class Runtime(ABC):
     """One base model plus adapters, behind the capabilities it declares."""
 
     capabilities: ClassVar[frozenset[str]] = frozenset()
+    # True when `encode_mixed` computes rows of different adapters in one forward pass; the worker then forms
+    # batches per base instead of per (base, adapter).
+    mixed_adapters: ClassVar[bool] = False
 
     # -- embed ---------------------------------------------------------------------------------------
     @property
@@ -103,6 +118,20 @@ class Runtime(ABC):
     def encode(self, texts: list[str], adapter_id: str | None) -> np.ndarray:
         """float32 array (len(texts), dim); adapter_id None means the bare base model (embed)."""
         raise NotImplementedError(f"{type(self).__name__} does not embed")
+
+    def encode_mixed(self, texts: list[str], adapters: Sequence[str | None]) -> np.ndarray:
+        """Like `encode`, with one adapter id per row (None: the bare base), rows in input order. Every named
+        adapter is loaded. The default runs one `encode` per adapter; a runtime that sets `mixed_adapters`
+        does it in one forward pass, with the same vectors."""
+        if len(adapters) != len(texts):
+            raise ValueError(f"{len(texts)} texts but {len(adapters)} adapter ids")
+        rows: dict[str | None, list[int]] = {}
+        for i, adapter in enumerate(adapters):
+            rows.setdefault(adapter, []).append(i)
+        out = np.empty((len(texts), self.dim), dtype=np.float32)
+        for adapter, idx in rows.items():
+            out[idx] = self.encode([texts[i] for i in idx], adapter)
+        return out
 
     # -- generate --------------------------------------------------------------------------------------
     def generate(self, inputs: list[GenerateInput], adapter_id: str | None, sink: TokenSink) -> list[Generated]:
@@ -121,6 +150,16 @@ class Runtime(ABC):
 
     @abstractmethod
     def loaded_adapters(self) -> list[str]: ...
+
+    def read_adapter(self, adapter_id: str, path: str) -> AdapterWeights | None:
+        """The adapter at `path` read into host memory, for `load_adapter_weights`; None (the default) when this
+        runtime loads from disk only (the worker then keeps no host tier for it). AdapterUnavailable as
+        `load_adapter`."""
+        return None
+
+    def load_adapter_weights(self, adapter_id: str, weights: AdapterWeights) -> None:
+        """Load an adapter from its host-memory copy; the default loads it from the folder it was read from."""
+        self.load_adapter(adapter_id, weights.path)
 
     def close(self) -> None:  # noqa: B027 - an optional hook with a no-op default, as the contract says
         """Free the model (and stop helper processes); the default does nothing."""
@@ -166,6 +205,12 @@ class EngineRuntime(ABC):
 
     @abstractmethod
     def loaded_adapters(self) -> list[str]: ...
+
+    @property
+    def adapter_capacity(self) -> int | None:
+        """Adapters the engine itself keeps cheaply at hand (vLLM: max_cpu_loras, in host memory); the worker
+        keeps that many loaded instead of its own `max_adapters`. None: the engine has no such cache."""
+        return None
 
     async def stats(self) -> EngineStats:
         """What the engine reports (heartbeats carry the KV-cache use); the default knows nothing."""

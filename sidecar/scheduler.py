@@ -53,7 +53,8 @@ class PullScheduler:
     def __init__(self, fleet: FleetConfig, psubs: dict[str, Any], held: HeldTable, settler: Settler,
                  handoff: Callable[[Batch], None], profile_for: ProfileFor, slots: asyncio.Semaphore,
                  stopping: Callable[[], bool], *, owners: OwnerTracker | None = None,
-                 on_pull_error: Callable[[str, BaseException], None] | None = None) -> None:
+                 on_pull_error: Callable[[str, BaseException], None] | None = None,
+                 mixed_bases: frozenset[str] = frozenset(), max_batch_adapters: int | None = None) -> None:
         self.fleet = fleet
         self.bases = list(psubs)
         self.psubs = psubs
@@ -61,6 +62,10 @@ class PullScheduler:
         self.settler = settler
         self.handoff = handoff
         self.profile_for = profile_for
+        # Bases whose embed tasks share batches across adapters (the runtime can, the profile wants it).
+        self.mixed_bases = mixed_bases
+        self.max_batch_adapters = (fleet.worker.profile.max_batch_adapters if max_batch_adapters is None
+                                   else max_batch_adapters)
         self.slots = slots
         self.stopping = stopping
         self.phase = ""  # "slot" while waiting for a free slot (holding nothing), then "fetch", "hold"
@@ -101,12 +106,12 @@ class PullScheduler:
                 msgs = [first]
             self._arrivals.observe(len(msgs), now)
             pulled = await self.admit(base, msgs)
-            batches = form_batches(pulled, self.profile_for) if pulled else []
+            batches = form_batches(pulled, self.profile_for, self.mixed_bases, self.max_batch_adapters)
             if not batches:
                 self.slots.release()
                 continue
             self.phase = "hold"
-            for i, batch in enumerate(batches):  # several only when one base's tasks name several adapters
+            for i, batch in enumerate(batches):  # several when tasks need several batches (adapters, caps)
                 if i:
                     await self.slots.acquire()
                 self._seq += 1

@@ -9,6 +9,13 @@ the venv holds (`lorafleet runtime install vllm` picks by the machine).
 
 Adapters arrive as local peft folders (the worker resolves and verifies registry references) and are
 loaded at runtime under their adapter id, with no restart; a new bundle version has a new id.
+
+Adapter caches, the engine's own: `max_loras` adapters run in one engine step (LoRA slots on the
+device), `max_cpu_loras` are kept in host memory (vLLM's LRU; one used beyond it is read from its
+folder again, inside the engine step). The worker keeps exactly `max_cpu_loras` adapters registered on
+the engine (`adapter_capacity`; `EngineAdapters` bounds by it instead of `worker.max_adapters`): fewer
+would unload adapters the engine still holds in memory, more would leave vLLM rereading folders the
+bundle cache may already have deleted. `lorafleet tune` sweeps both under a multi-adapter load.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 
 from lorafleet import settings
 from lorafleet.adapters import AdapterUnavailable
@@ -51,7 +58,8 @@ class VllmOptions(StrictModel):
     slots: int | None = Field(None, ge=1, le=4096, description="Sequences this worker keeps in flight on the "
                               "engine (pull when free, counted in sequences); default max_num_seqs.")
     max_loras: int = Field(4, ge=1, description="Adapters in one engine step.")
-    max_cpu_loras: int | None = Field(None, ge=1, description="Adapters cached in host memory (default max_loras).")
+    max_cpu_loras: int | None = Field(None, ge=1, description="Adapters cached in host memory (default max_loras, "
+                                      "at least max_loras); also how many adapters the worker keeps loaded.")
     max_lora_rank: int = Field(16, ge=1, description="Largest LoRA rank this engine accepts.")
     kv_cache_gib: int | None = Field(None, ge=1, description="KV-cache space: CPU default 1 GiB; on CUDA, set "
                                      "to use a fixed size instead of gpu_memory_utilization.")
@@ -64,6 +72,19 @@ class VllmOptions(StrictModel):
     start_timeout_s: float = Field(300.0, gt=0)
     log_requests: bool = False
     extra_args: list[str] = Field(default_factory=list, description="More `vllm serve` flags, as is.")
+
+    @model_validator(mode="after")
+    def _cache_holds_a_step(self) -> VllmOptions:
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            # vLLM refuses it only after a minute of engine start; say it at config time.
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras}): "
+                             "the adapters of one engine step are all held in host memory")
+        return self
+
+    @property
+    def cpu_loras(self) -> int:
+        """Adapters the engine keeps in host memory (vLLM's default for max_cpu_loras: max_loras)."""
+        return self.max_cpu_loras or self.max_loras
 
     @classmethod
     def of(cls, spec: BaseModelSpec) -> VllmOptions:
@@ -101,6 +122,10 @@ class VllmRuntime(EngineRuntime):
     @property
     def slots(self) -> int:
         return self.options.slots or self.options.max_num_seqs
+
+    @property
+    def adapter_capacity(self) -> int:
+        return self.options.cpu_loras
 
     async def start(self) -> None:
         engine = VllmEngine(self.config)

@@ -20,21 +20,16 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-import numpy as np
-
-from lorafleet.adapters import AdapterPolicy, AdapterUnavailable, local_path_of
+from lorafleet.adapters import AdapterPolicy, local_path_of
 from lorafleet.config import ConfigError, FleetConfig, ServingProfile
 from lorafleet.fleet_state import by_adapter_id
-from lorafleet.sidecar.acks import Situation
 from lorafleet.sidecar.adapters import AdapterCache
-from lorafleet.sidecar.batcher import Batch
+from lorafleet.sidecar.compute import Computer
 from lorafleet.sidecar.connection import NatsSide
 from lorafleet.sidecar.engine_adapters import EngineAdapters
-from lorafleet.sidecar.generation import generate_batch
 from lorafleet.sidecar.metrics import MetricsServer, WorkerMetrics
+from lorafleet.sidecar.preload import Preloader
 from lorafleet.sidecar.runtime import EngineRuntime, Runtime, create_runtime
-from lorafleet.sidecar.settle import Outcome
-from lorafleet.wire import GENERATE
 
 log = logging.getLogger(__name__)
 
@@ -89,90 +84,6 @@ def adapter_policy(fleet: FleetConfig) -> AdapterPolicy:
     return AdapterPolicy([*fleet.worker.adapter_roots, *own])
 
 
-class Computer:
-    """Runs batches on the (batch) runtimes; main thread only."""
-
-    def __init__(self, runtimes: dict[str, Runtime], caches: dict[str, AdapterCache], lookup: FleetLookup,
-                 side: NatsSide | None = None) -> None:
-        self.runtimes = runtimes
-        self.caches = caches
-        self.lookup = lookup
-        self.side = side  # where generated text is streamed to
-        self.adapters_changed = False
-        self.last_encode: tuple[int, float] | None = None  # (items, seconds) of the last batch encoded whole
-
-    def run(self, batch: Batch) -> tuple[list[Outcome], float]:
-        started = time.time()
-        self.last_encode = None
-        outcomes: list[Outcome | None] = [None] * len(batch.items)
-        live: list[int] = []
-        for i, item in enumerate(batch.items):
-            if item.task.deadline <= started:
-                outcomes[i] = Outcome(Situation.DEADLINE, message="deadline passed before compute")
-            else:
-                live.append(i)
-        if live and batch.adapter is not None:
-            failed = self._load_adapter(batch)
-            if failed is not None:
-                for i in live:
-                    outcomes[i] = failed
-                live = []
-        if live and batch.op == GENERATE:
-            t0 = time.perf_counter()
-            generated = generate_batch(self.runtimes[batch.base], batch, live, self.side)
-            for i, outcome in zip(live, generated, strict=True):
-                outcomes[i] = outcome
-            if all(o.situation is Situation.OK for o in generated):
-                self.last_encode = (len(live), time.perf_counter() - t0)
-        elif live:
-            runtime = self.runtimes[batch.base]
-            t0 = time.perf_counter()
-            vectors = self._encode_split(runtime, [batch.items[i].task.text for i in live], batch.adapter)
-            if all(isinstance(v, bytes) for v in vectors):  # a bisected batch's time says nothing of its size
-                self.last_encode = (len(live), time.perf_counter() - t0)
-            for i, v in zip(live, vectors, strict=True):
-                outcomes[i] = Outcome(Situation.OK, vector=v) if isinstance(v, bytes) else \
-                    Outcome(Situation.RUNTIME_FAILED, message=f"{type(v).__name__}: {v}")
-        return [o for o in outcomes if o is not None], started
-
-    def _load_adapter(self, batch: Batch) -> Outcome | None:
-        adapter = batch.adapter
-        assert adapter is not None
-        cache = self.caches[batch.base]
-        task_uri = next((p.task.adapter_uri for p in batch.items if p.task.adapter_uri), None)
-        try:
-            t0 = time.perf_counter()
-            if cache.ensure(adapter, self.lookup.uri_for(adapter, task_uri)):
-                self.adapters_changed = True
-                log.info("adapter %s loaded on %s in %.2fs", adapter, batch.base, time.perf_counter() - t0)
-            return None
-        except AdapterUnavailable as exc:
-            log.warning("adapter %s unavailable: %s", adapter, exc)
-            return Outcome(Situation.ADAPTER_UNAVAILABLE, message=str(exc))
-        except Exception as exc:
-            log.warning("adapter %s failed to load (will retry): %s", adapter, exc, exc_info=True)
-            return Outcome(Situation.ADAPTER_FAILED, message=f"{type(exc).__name__}: {exc}")
-
-    def _encode_split(self, runtime: Runtime, texts: list[str], adapter: str | None) -> list[bytes | Exception]:
-        """Encode; when a batch fails, bisect it so one bad input (or an OOM) does not fail its neighbours."""
-        try:
-            arr = runtime.encode(texts, adapter)
-            if arr.shape != (len(texts), runtime.dim):
-                raise RuntimeError(f"runtime returned shape {arr.shape}, expected {(len(texts), runtime.dim)}")
-            arr = np.ascontiguousarray(arr, dtype="<f4")
-            return [row.tobytes() for row in arr]
-        except Exception as exc:
-            if len(texts) == 1:
-                log.warning("encode failed for one input: %s", exc)
-                return [exc]
-            log.warning("batch of %d failed (%s); retrying as halves", len(texts), exc)
-            mid = len(texts) // 2
-            return self._encode_split(runtime, texts[:mid], adapter) + self._encode_split(runtime, texts[mid:], adapter)
-
-    def snapshot(self) -> dict[str, list[str]]:
-        return {base: cache.loaded() for base, cache in self.caches.items()}
-
-
 def run_worker(fleet: FleetConfig, *, nats_url: str | None = None, worker_id: str | None = None,
                bases: list[str] | None = None, client_options: dict[str, Any] | None = None,
                metrics_addr: tuple[str, int] | None = None) -> int:
@@ -189,6 +100,8 @@ def run_worker(fleet: FleetConfig, *, nats_url: str | None = None, worker_id: st
     lookup = FleetLookup(fleet)
     side = NatsSide(fleet, nats_url or fleet.nats_url, worker_id, serve, lookup.profile_for, client_options)
     side.on_fleet_state = lookup.apply_fleet_state
+    preloader = Preloader(serve, adapter_policy(fleet).resolve)  # what a promotion stages (sidecar/preload.py)
+    side.on_preload = preloader.request
     metrics = WorkerMetrics(serve)
     side.on_settled = metrics.task_settled
     server: MetricsServer | None = None
@@ -210,15 +123,17 @@ def run_worker(fleet: FleetConfig, *, nats_url: str | None = None, worker_id: st
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return _serve(fleet, side, serve, lookup, metrics)
+        return _serve(fleet, side, serve, lookup, metrics, preloader)
     finally:
+        preloader.close()
         for s, h in previous.items():
             signal.signal(s, h)
         if server is not None:
             server.close()
 
 
-def _serve(fleet: FleetConfig, side: NatsSide, serve: list[str], lookup: FleetLookup, metrics: WorkerMetrics) -> int:
+def _serve(fleet: FleetConfig, side: NatsSide, serve: list[str], lookup: FleetLookup, metrics: WorkerMetrics,
+           preloader: Preloader) -> int:
     log.info("worker %s starting for %s (nats %s)", side.worker_id, ", ".join(serve), side.nats_url)
     side.start()  # connects while the models load
     runtimes: dict[str, Runtime] = {}
@@ -245,18 +160,23 @@ def _serve(fleet: FleetConfig, side: NatsSide, serve: list[str], lookup: FleetLo
         log.error("could not set up NATS at %s: %s", side.nats_url, side.error)
         return 1
     policy = adapter_policy(fleet)
-    caches = {b: AdapterCache(rt, fleet.worker.max_adapters, resolve=policy.resolve,
-                              events=metrics.adapter_events(b)) for b, rt in runtimes.items()}
+    profile = fleet.worker.profile  # the adapter tiers and mixed batches are worker-wide
+    caches = {b: AdapterCache(rt, fleet.worker.max_adapters, resolve=policy.resolve, events=metrics.adapter_events(b),
+                              device_bytes=profile.adapter_device_bytes, host_bytes=profile.adapter_host_bytes)
+              for b, rt in runtimes.items()}
     computer = Computer(runtimes, caches, lookup, side)
+    mixed = frozenset(b for b, rt in runtimes.items() if rt.mixed_adapters and profile.mixed_adapter_batches)
     metrics.watch(lambda: len(side.held), {b: _engine_slots(side, b) for b in engines})
     side.start_serving({b: rt.dim for b, rt in runtimes.items() if "embed" in rt.capabilities},
                        {b: (rt, EngineAdapters(rt, fleet.worker.max_adapters, policy.resolve,
                                                events=metrics.adapter_events(b)))
                         for b, rt in engines.items()},
-                       lookup.uri_for)
+                       lookup.uri_for, mixed_bases=mixed)
     batches = tasks = 0
     busy_s = 0.0
     while True:
+        if preloader.run_pending(caches):  # between batches: the next heartbeat lists what a promotion staged
+            side.adapters_snapshot = computer.snapshot()
         try:
             batch = side.ready.get(timeout=0.5)
         except queue.Empty:

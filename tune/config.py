@@ -65,8 +65,16 @@ class GenerativeTuneConfig(StrictModel):
     gpu_memory_grid: list[float] = Field(default_factory=lambda: [0.6, 0.9], description="CUDA: memory share.")
     slots_grid: list[float] = Field(default_factory=lambda: [0.75, 1.25],
                                     description="The worker's slot target, as a share of max_num_seqs.")
+    adapters: int = Field(4, ge=1, le=64, description="Adapter ids in the load: the specialist's adapter and "
+                          "copies of it under other ids, requests spread evenly over them, so the engine holds "
+                          "several LoRAs as a fleet of one base does; 1 = the specialist alone.")
+    max_loras_grid: list[int] = Field(default_factory=lambda: [1, 2, 4], description="max_loras: adapters in one "
+                                      "engine step (values above `adapters` are skipped).")
+    cpu_loras_grid: list[float] = Field(default_factory=lambda: [0.5, 1.0], description="max_cpu_loras: adapters "
+                                        "cached in host memory, as a share of `adapters` (at least max_loras).")
     plateau_gain: float = Field(0.03, ge=0)
-    max_profiles: int = Field(8, ge=1)
+    max_profiles: int = Field(12, ge=1, description="Each restarts the engine (~30 s on a CPU) and runs every "
+                              "concurrency.")
     budget_s: float = Field(1200.0, gt=0)
     seed: int = 0
     device: str = "auto"
@@ -75,6 +83,7 @@ class GenerativeTuneConfig(StrictModel):
     def quick_preset(cls, **overrides: object) -> GenerativeTuneConfig:
         base: dict[str, object] = dict(quick=True, concurrencies=[8], point_s=5.0, warmup_s=2.0, max_tokens=32,
                                        seqs_grid=[8, 16], batched_tokens_grid=[], kv_cache_gib_grid=[],
-                                       gpu_memory_grid=[], slots_grid=[], max_profiles=2, budget_s=300.0)
+                                       gpu_memory_grid=[], slots_grid=[], max_loras_grid=[], cpu_loras_grid=[],
+                                       max_profiles=2, budget_s=300.0)
         base.update(overrides)
         return cls(**base)

@@ -5,14 +5,22 @@ apply; what decides its throughput and latency are the engine's options, swept h
 staged, coordinate-wise way (see sweep.py for why a staged grid and not a sampler): `max_num_seqs`
 ascending until output tokens/s plateau, then `max_num_batched_tokens`, the KV-cache space (CPU) or
 GPU memory share (CUDA), and the worker's slot target (sequences it keeps in flight, as a share of
-`max_num_seqs`) around the best so far. Every profile restarts only the worker (a new engine: ~30 s on
-a CPU). Each is measured with streaming requests to the adapter (greedy, `max_tokens` each), closed
-loop at each concurrency: output tokens/s (the best), time to first token p50/p99 and inter-token
-latency at the highest concurrency, peak memory of the worker with its engine. The recommendation is
-the highest throughput whose TTFT p99 meets the objective (and the memory limit).
+`max_num_seqs`) around the best so far. Right after `max_num_seqs` come the adapter caches: `max_loras`
+(adapters in one engine step) and `max_cpu_loras` (adapters the engine keeps in host memory), measured
+under a multi-adapter load: the specialist's adapter and `adapters - 1` copies of it under other ids,
+requests spread round-robin over them, so the engine really juggles several LoRAs (copies cost the
+engine what distinct adapters do: it cannot tell them apart). Every profile restarts only the worker
+(a new engine: ~30 s on a CPU). Each is measured with streaming requests to the adapters (greedy,
+`max_tokens` each), closed loop at each concurrency: output tokens/s (the best), time to first token
+p50/p99 and inter-token latency at the highest concurrency, peak memory of the worker with its
+engine. The recommendation is the highest throughput whose TTFT p99 meets the objective (and the
+memory limit).
 
 The engine's options belong to its base (one engine serves every adapter of a base), so the result
-is a set of `bases[].options` for the fleet file (profile.yaml), not a bundle's batching profile.
+is a set of `bases[].options` for the fleet file (profile.yaml), not a bundle's batching profile; the
+adapter-cache sizes among them too. The worker keeps as many adapters registered on the engine as the
+engine caches in host memory (`VllmRuntime.adapter_capacity`, i.e. max_cpu_loras), so max_cpu_loras is
+also the worker's adapter bound on that base.
 """
 
 from __future__ import annotations
@@ -44,6 +52,41 @@ from lorafleet.tune.streamload import StreamResult, stream_closed_loop
 
 Say = Callable[[str], None]
 Options = dict[str, Any]
+DEFAULT_MAX_LORAS = 4  # the vllm runtime's own default (VllmOptions.max_loras): the baseline starts there
+
+
+def served_adapters(adapters: int) -> list[tuple[str, str]]:
+    """(served name, adapter id) of each adapter id in the load; the first is the specialist's own."""
+    return [(SERVED_NAME, f"{SERVED_NAME}-adapter")] + [(f"{SERVED_NAME}-{i}", f"{SERVED_NAME}-adapter-{i}")
+                                                        for i in range(1, adapters)]
+
+
+def max_loras_candidates(cfg: GenerativeTuneConfig) -> list[int]:
+    """max_loras values worth a profile: more slots than adapters in the load would measure nothing new."""
+    return sorted({v for v in cfg.max_loras_grid if v <= cfg.adapters}) if cfg.adapters > 1 else []
+
+
+def cpu_loras_candidates(cfg: GenerativeTuneConfig, max_loras: int) -> list[int]:
+    """max_cpu_loras values for a max_loras: each share of the adapters in the load, at least max_loras
+    (vLLM refuses fewer)."""
+    if cfg.adapters <= 1:
+        return []
+    return sorted({max(max_loras, round(share * cfg.adapters)) for share in cfg.cpu_loras_grid})
+
+
+def normalise(options: Options) -> Options:
+    """One spelling per engine: no None values, and no max_cpu_loras at or below max_loras (vLLM's default
+    is max_loras, and less is refused), so equal engines are measured once."""
+    out = {k: v for k, v in options.items() if v is not None}
+    if out.get("max_cpu_loras", 0) <= out.get("max_loras", DEFAULT_MAX_LORAS):
+        out.pop("max_cpu_loras", None)
+    return out
+
+
+def explicit(options: Options) -> Options:
+    """The recommended options with both adapter-cache sizes spelled out, for the fleet file."""
+    loras = options.get("max_loras", DEFAULT_MAX_LORAS)
+    return {**options, "max_loras": loras, "max_cpu_loras": options.get("max_cpu_loras") or loras}
 
 
 @dataclass
@@ -119,15 +162,16 @@ class GenerativeSweeper:
             rank = int(json.loads((source.adapter_dir / "adapter_config.json").read_text()).get("r", 16))
         except (OSError, ValueError, TypeError):
             rank = 16
-        self.fixed: Options = {"max_model_len": cfg.max_model_len, "max_loras": 1, "max_lora_rank": max(rank, 8)}
+        self.fixed: Options = {"max_model_len": cfg.max_model_len, "max_lora_rank": max(rank, 8)}
+        self.names = [name for name, _ in served_adapters(cfg.adapters)]
 
     def fleet(self, options: Options) -> FleetConfig:
         base = self.source.base_name
         return FleetConfig(
             bases=[BaseModelSpec(name=base, source=self.source.base_source, revision=self.source.base_revision,
                                  runtime="vllm", options={**self.fixed, **options})],
-            models=[ServedModel(name=SERVED_NAME, base=base, adapter=str(self.source.adapter_dir),
-                                adapter_id=f"{SERVED_NAME}-adapter")],
+            models=[ServedModel(name=name, base=base, adapter=str(self.source.adapter_dir), adapter_id=adapter_id)
+                    for name, adapter_id in served_adapters(self.cfg.adapters)],
             gateway=GatewayConfig(port=0, default_deadline_s=300.0, max_deadline_s=600.0, admit_fraction=None),
             worker=WorkerConfig(device=self.cfg.device),
         )
@@ -155,25 +199,29 @@ class GenerativeSweeper:
             self.cluster = None
 
     def _body(self, i: int) -> dict[str, Any]:
-        return {"model": SERVED_NAME, "messages": [{"role": "user", "content": self.texts[i % len(self.texts)]}],
+        return {"model": self.names[i % len(self.names)],
+                "messages": [{"role": "user", "content": self.texts[i % len(self.texts)]}],
                 "max_tokens": self.cfg.max_tokens, "temperature": 0, "stream": True,
                 "stream_options": {"include_usage": True}}
 
     def _wait_serving(self, timeout: float) -> None:
+        """Until every adapter id of the load has answered once (each is loaded then, before any measurement)."""
         assert self.cluster is not None
-        body = {**self._body(0), "stream": False, "max_tokens": 2}
-        body.pop("stream_options")
         deadline, last = time.monotonic() + timeout, ""
-        while time.monotonic() < deadline:
-            try:
-                r = httpx.post(f"{self.cluster.gateway_url}/v1/chat/completions", json=body, timeout=60)
-                if r.status_code == 200:
-                    return
-                last = f"HTTP {r.status_code}: {r.text[:200]}"
-            except httpx.HTTPError as exc:
-                last = str(exc)
-            time.sleep(0.5)
-        raise TuneError(f"the tuning worker did not serve the adapter within {timeout:.0f}s ({last})")
+        for i, name in enumerate(self.names):
+            body = {**self._body(i), "stream": False, "max_tokens": 2}
+            body.pop("stream_options")
+            while True:
+                try:
+                    r = httpx.post(f"{self.cluster.gateway_url}/v1/chat/completions", json=body, timeout=60)
+                    if r.status_code == 200:
+                        break
+                    last = f"HTTP {r.status_code}: {r.text[:200]}"
+                except httpx.HTTPError as exc:
+                    last = str(exc)
+                if time.monotonic() > deadline:
+                    raise TuneError(f"the tuning worker did not serve adapter {name} within {timeout:.0f}s ({last})")
+                time.sleep(0.5)
 
     def measure(self, options: Options, phase: str, restart_s: float) -> GenerativeResult:
         assert self.cluster is not None
@@ -207,15 +255,15 @@ def run_generative_tune(source: TuneSource, cfg: GenerativeTuneConfig | None = N
     from lorafleet.device import resolve_device
 
     cuda = resolve_device(cfg.device).startswith("cuda")
-    default: Options = {"max_num_seqs": 32}
+    default: Options = {"max_num_seqs": 32, "max_loras": min(cfg.adapters, DEFAULT_MAX_LORAS)}
     sweeper = GenerativeSweeper(source, cfg, work, say)
     results: list[GenerativeResult] = []
     memory_mb = cfg.memory_gb * 1024 if cfg.memory_gb else None
     say(f"tune (generative): {source.label} on {source.base_name}; TTFT p99 ≤ {cfg.slo_ttft_p99_ms:g} ms; "
-        f"budget {cfg.budget_s:.0f}s; each profile restarts the engine")
+        f"{cfg.adapters} adapter id(s) in the load; budget {cfg.budget_s:.0f}s; each profile restarts the engine")
 
     def run_one(options: Options, phase: str, first: bool = False) -> GenerativeResult | None:
-        options = {k: v for k, v in options.items() if v is not None}
+        options = normalise(options)
         key = tuple(sorted(options.items()))
         if any(r.key() == key for r in results):
             return next(r for r in results if r.key() == key)
@@ -246,6 +294,13 @@ def run_generative_tune(source: TuneSource, cfg: GenerativeTuneConfig | None = N
             history.append(r.tokens_per_s)
             if plateaued(history, cfg.plateau_gain, 1):
                 break
+        # The adapter caches next: with several adapters in rotation they decide how often a sequence waits
+        # for a LoRA slot (max_loras) or for its adapter to be read from disk again (max_cpu_loras).
+        for loras in max_loras_candidates(cfg):
+            run_one({**centre(), "max_loras": loras}, "max_loras")
+        c = centre()
+        for cpu in cpu_loras_candidates(cfg, c.get("max_loras", DEFAULT_MAX_LORAS)):
+            run_one({**c, "max_cpu_loras": cpu}, "max_cpu_loras")
         for tokens in cfg.batched_tokens_grid:
             run_one({**centre(), "max_num_batched_tokens": tokens}, "batched_tokens")
         for memory in (cfg.gpu_memory_grid if cuda else cfg.kv_cache_gib_grid):
@@ -263,7 +318,7 @@ def run_generative_tune(source: TuneSource, cfg: GenerativeTuneConfig | None = N
         raise TuneError(f"no profile could be measured without errors; see the logs under {work / 'cluster' / 'logs'}")
     best, meets, reason = picked
     best.recommended = True
-    result = GenerativeTuneResult(out_dir, {**sweeper.fixed, **best.options}, meets, reason, results,
+    result = GenerativeTuneResult(out_dir, explicit({**sweeper.fixed, **best.options}), meets, reason, results,
                                   results[0].tokens_per_s, time.monotonic() - t0)
     result.files = write_generative_outputs(result, cfg, source)
     say(f"recommended options for base {source.base_name}: {result.options} — {reason}: {best.tokens_per_s:.1f} "
@@ -280,8 +335,9 @@ def write_generative_outputs(result: GenerativeTuneResult, cfg: GenerativeTuneCo
     when = time.strftime("%Y-%m-%d %H:%M")
     header = (f"# lorafleet tune (generative): {source.label} on {source.base_name}, {when}\n"
               f"# {result.reason}: {best.tokens_per_s:.1f} output tok/s, TTFT p99 {best.ttft_p99_ms} ms at "
-              f"concurrency {max(cfg.concurrencies)}\n# engine options of the base: put them under bases[].options "
-              "(runtime: vllm) in the fleet file\n")
+              f"concurrency {max(cfg.concurrencies)}, {cfg.adapters} adapter id(s) in the load\n"
+              "# engine options of the base: put them under bases[].options (runtime: vllm) in the fleet file;\n"
+              "# max_cpu_loras is also how many adapters a worker keeps loaded on that base\n")
     files["profile"].write_text(header + yaml.safe_dump({"runtime": "vllm", "options": result.options},
                                                         sort_keys=False))
     rows = [r.row() for r in result.results]
@@ -307,7 +363,9 @@ def write_generative_outputs(result: GenerativeTuneResult, cfg: GenerativeTuneCo
     for r in result.results:
         if r.ttft_p99_ms is not None:
             ax.scatter(r.ttft_p99_ms, r.tokens_per_s, color="tab:red" if r.recommended else "tab:blue")
-            ax.annotate(f"seqs {r.options.get('max_num_seqs')}", (r.ttft_p99_ms, r.tokens_per_s), fontsize=7)
+            loras = f" loras {r.options['max_loras']}/{r.options.get('max_cpu_loras', r.options['max_loras'])}" \
+                if "max_loras" in r.options else ""
+            ax.annotate(f"seqs {r.options.get('max_num_seqs')}{loras}", (r.ttft_p99_ms, r.tokens_per_s), fontsize=7)
     ax.axvline(cfg.slo_ttft_p99_ms, color="grey", linestyle="--", label="TTFT p99 objective")
     ax.set_xlabel(f"TTFT p99 (ms) at concurrency {max(cfg.concurrencies)}")
     ax.set_ylabel("output tokens/s")

@@ -7,11 +7,29 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
+if TYPE_CHECKING:
+    from lorafleet.registry.promote import Preload
+
 registry_app = typer.Typer(help="Bundles registered in MLflow: versions, aliases, headline metrics.",
                            no_args_is_help=True)
+
+
+NO_PRELOAD_HELP = ("Switch at once, without first loading the version on every worker of its base (its first "
+                   "requests on each worker then wait for the download).")
+PRELOAD_TIMEOUT_HELP = ("Seconds to wait for every live worker of the base to confirm (in its heartbeat) that it has "
+                        "loaded the version, before the fleet switches to it.")
+
+
+def _preload(no_preload: bool, timeout_s: float) -> Preload:
+    from lorafleet.registry.promote import Preload
+
+    if timeout_s <= 0:
+        _fail(f"--preload-timeout {timeout_s:g}: must be more than 0 seconds (or pass --no-preload)")
+    return Preload(enabled=not no_preload, timeout_s=timeout_s, progress=typer.echo)
 
 
 CREDS_HELP = ("NATS credential with the control role (default: $LORAFLEET_NATS_CREDS, else "
@@ -68,13 +86,18 @@ def promote(
     nats_url: str = typer.Option(None, "--nats-url", help="Cluster to update (default: LORAFLEET_HOME/cluster.json)."),
     fleet: Path = typer.Option(None, "--fleet", help="Fleet YAML of that cluster (to check its base models)."),
     creds: Path = typer.Option(None, "--creds", help=CREDS_HELP),
+    no_preload: bool = typer.Option(False, "--no-preload", help=NO_PRELOAD_HELP),
+    preload_timeout: float = typer.Option(120.0, "--preload-timeout", help=PRELOAD_TIMEOUT_HELP + " A worker that "
+                                          "does not confirm in time fails the promotion, nothing changed."),
 ) -> None:
-    """Quality gate → alias 'champion' → live fleet state: gateways and workers switch without a restart."""
+    """Quality gate → preload on the base's workers → alias 'champion' → live fleet state: gateways and workers
+    switch without a restart, and the first requests to the new version do not wait for a download."""
     from lorafleet.registry.promote import promote as do_promote
 
+    preload = _preload(no_preload, preload_timeout)
     try:
         out = do_promote(name, version, force=force, margin=margin, nats_url=nats_url, fleet_file=fleet,
-                         creds=creds)
+                         creds=creds, preload=preload)
     except _errors() as exc:
         _fail(str(exc))
         return
@@ -95,12 +118,16 @@ def rollback(
     nats_url: str = typer.Option(None, "--nats-url", help="Cluster to update (default: LORAFLEET_HOME/cluster.json)."),
     fleet: Path = typer.Option(None, "--fleet", help="Fleet YAML of that cluster (to check its base models)."),
     creds: Path = typer.Option(None, "--creds", help=CREDS_HELP),
+    no_preload: bool = typer.Option(False, "--no-preload", help=NO_PRELOAD_HELP),
+    preload_timeout: float = typer.Option(120.0, "--preload-timeout", help=PRELOAD_TIMEOUT_HELP + " A rollback "
+                                          "goes ahead after it, naming the workers that did not confirm."),
 ) -> None:
-    """Move 'champion' back to the previous champion version, live."""
+    """Move 'champion' back to the previous champion version, live (preloaded on the base's workers first)."""
     from lorafleet.registry.promote import rollback as do_rollback
 
+    preload = _preload(no_preload, preload_timeout)
     try:
-        out = do_rollback(name, nats_url=nats_url, fleet_file=fleet, creds=creds)
+        out = do_rollback(name, nats_url=nats_url, fleet_file=fleet, creds=creds, preload=preload)
     except _errors() as exc:
         _fail(str(exc))
         return

@@ -53,6 +53,7 @@ class Answer:
     status: int  # 0: no HTTP answer
     latency_ms: float
     vector: np.ndarray | None
+    error: str = ""  # the body of a failed answer: which refusal it was
 
 
 async def steady_load(url: str, rate: float, duration_s: float) -> list[Answer]:
@@ -64,16 +65,18 @@ async def steady_load(url: str, rate: float, duration_s: float) -> list[Answer]:
 
         async def one(i: int) -> None:
             t0 = time.perf_counter()
-            status, vector = 0, None
+            status, vector, error = 0, None, ""
             try:
                 r = await client.post(f"/v1/encode/{BASE}", content=msgpack.packb({"inputs": [unique_text(i)]}),
                                       headers={"Content-Type": "application/msgpack"})
                 status = r.status_code
                 if status == 200:
                     vector = np.frombuffer(msgpack.unpackb(r.content)["vectors"][0], dtype="<f4")
-            except httpx.HTTPError:
-                pass
-            answers.append(Answer(i, t0 - start, status, (time.perf_counter() - t0) * 1000.0, vector))
+                else:
+                    error = r.text[:300]
+            except httpx.HTTPError as exc:
+                error = repr(exc)
+            answers.append(Answer(i, t0 - start, status, (time.perf_counter() - t0) * 1000.0, vector, error))
 
         tasks = []
         for i in range(int(rate * duration_s)):
@@ -231,7 +234,7 @@ def test_node_loss_loses_nothing(cluster: LocalCluster, minilm_path: Path, tmp_p
 
     sent = int(RATE * DURATION_S)
     assert sorted(a.i for a in answers) == list(range(sent))  # one HTTP answer per request
-    failed = [(a.i, a.status) for a in answers if a.status != 200]
+    failed = [(a.i, a.status, a.error) for a in answers if a.status != 200]
     assert not failed, f"{len(failed)} request(s) not answered with 200: {failed[:10]}"
     assert events["stored"] == sent, f"the work stream stored {events['stored']} tasks for {sent} requests"
     assert probe.longest_gap_s < 15.0, "the work stream did not answer for too long"

@@ -12,12 +12,15 @@ from lorafleet.config import ConfigError, FleetConfig, ServingProfile
 from lorafleet.sidecar.acks import Situation
 from lorafleet.sidecar.adapters import AdapterCache
 from lorafleet.sidecar.batcher import Batch, Pulled
-from lorafleet.sidecar.worker import Computer, FleetLookup, adapter_policy, select_bases
+from lorafleet.sidecar.compute import Computer
+from lorafleet.sidecar.runtime import Runtime
+from lorafleet.sidecar.worker import FleetLookup, adapter_policy, select_bases
 from lorafleet.wire import Task
 
 
-class FakeRuntime:
-    """Encodes text length into the vector; fails on any batch containing 'POISON'."""
+class FakeRuntime(Runtime):
+    """Encodes text length (and the adapter's name length) into the vector; fails on any batch containing
+    'POISON'. Mixed batches go through the contract's default `encode_mixed` (one `encode` per adapter)."""
 
     dim = 3
 
@@ -29,7 +32,7 @@ class FakeRuntime:
         self.calls.append((len(texts), adapter_id))
         if any("POISON" in t for t in texts):
             raise RuntimeError("poisoned")
-        return np.array([[len(t), 0, 1] for t in texts], dtype=np.float32)
+        return np.array([[len(t), len(adapter_id or ""), 1] for t in texts], dtype=np.float32)
 
     def load_adapter(self, adapter_id: str, path: str) -> None:
         if "flaky" in path:
@@ -46,11 +49,20 @@ class FakeRuntime:
         pass
 
 
+def item(i: int, text: str, adapter: str | None, uri: str | None, deadline_s: float = 30) -> Pulled:
+    return Pulled(Task(id=f"t{i}", request_id="r", index=i, model="m", base="m", text=text, tokens=3,
+                       deadline=time.time() + deadline_s, reply="_INBOX.g.r", adapter=adapter, adapter_uri=uri),
+                  msg=None)
+
+
 def batch(texts: list[str], adapter: str | None = None, uri: str | None = None, deadline_s: float = 30) -> Batch:
-    items = [Pulled(Task(id=f"t{i}", request_id="r", index=i, model="m", base="m", text=t, tokens=3,
-                         deadline=time.time() + deadline_s, reply="_INBOX.g.r", adapter=adapter, adapter_uri=uri),
-                    msg=None) for i, t in enumerate(texts)]
+    items = [item(i, t, adapter, uri, deadline_s) for i, t in enumerate(texts)]
     return Batch("m", adapter, items, ServingProfile())
+
+
+def mixed(rows: list[tuple[str, str | None]]) -> Batch:
+    """A mixed batch: (text, adapter) per row; an adapter's URI is its name (resolved under tmp_path)."""
+    return Batch("m", None, [item(i, t, a, a) for i, (t, a) in enumerate(rows)], ServingProfile(), mixed=True)
 
 
 def computer(tmp_path: Path, fleet: FleetConfig | None = None) -> tuple[Computer, FakeRuntime]:
@@ -112,3 +124,28 @@ def test_fleet_lookup_uses_served_models(tmp_path: Path) -> None:
     assert select_bases(fleet, None) == ["m"]
     with pytest.raises(ConfigError, match="not among"):
         select_bases(fleet, ["nope"])
+
+
+def vec(o: object) -> list[float]:
+    return np.frombuffer(o.vector or b"", dtype="<f4").tolist()  # type: ignore[attr-defined]
+
+
+def test_mixed_batch_rows_get_their_own_adapter(tmp_path: Path) -> None:
+    comp, rt = computer(tmp_path)
+    rows = [("aa", "xy"), ("b", None), ("ccc", "flaky"), ("d", "xyz"), ("eeee", "xy")]
+    outcomes, _ = comp.run(mixed(rows))
+    # The adapter that fails to load fails only its own task; the others (and the bare row) are computed.
+    assert [o.situation for o in outcomes] == [Situation.OK, Situation.OK, Situation.ADAPTER_FAILED, Situation.OK,
+                                               Situation.OK]
+    assert [vec(outcomes[i])[:2] for i in (0, 1, 3, 4)] == [[2.0, 2.0], [1.0, 0.0], [1.0, 3.0], [4.0, 2.0]]
+    assert sorted(rt.loaded) == ["xy", "xyz"] and comp.adapters_changed
+    assert comp.last_encode is None  # a partly failed batch's time is not its size's cost
+
+
+def test_mixed_batch_wider_than_the_cache_runs_in_passes(tmp_path: Path) -> None:
+    comp, rt = computer(tmp_path)  # two hot slots
+    rows = [(f"t{i}", name) for i, name in enumerate(["p", "qq", "rrr", "p", "qq", "rrr"])]
+    outcomes, _ = comp.run(mixed(rows))
+    assert [o.situation for o in outcomes] == [Situation.OK] * 6
+    assert [vec(o)[1] for o in outcomes] == [1.0, 2.0, 3.0, 1.0, 2.0, 3.0]
+    assert len(rt.loaded) <= 2  # the bound held although the batch named three adapters

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from lorafleet.config import BaseModelSpec, ConfigError
 from lorafleet.sidecar import vllm_install
+from lorafleet.sidecar.engine_adapters import EngineAdapters
+from lorafleet.sidecar.runtime import EngineRuntime, Generated, GenerateInput
 from lorafleet.sidecar.vllm_engine import EngineConfig, VllmEngine
 from lorafleet.sidecar.vllm_files import write_support_files
 from lorafleet.sidecar.vllm_protocol import (
@@ -22,6 +26,7 @@ from lorafleet.sidecar.vllm_protocol import (
     parse_metrics,
     request_body,
 )
+from lorafleet.sidecar.vllm_runtime import VllmOptions
 
 
 def sse(*chunks: object) -> list[str]:
@@ -169,3 +174,55 @@ def test_default_venv_dir_per_spec_and_env_override(tmp_path: Path, monkeypatch:
     assert cpu != vllm_install.default_venv_dir("vllm==0.32.0")
     monkeypatch.setenv("LORAFLEET_VLLM_VENV", str(tmp_path / "mine"))
     assert vllm_install.default_venv_dir() == tmp_path / "mine"
+
+
+# ---- adapter caches: the engine's max_cpu_loras bounds the worker's adapters on that base ------------------------
+
+def test_max_cpu_loras_below_max_loras_is_a_config_error() -> None:
+    spec = BaseModelSpec(name="tiny", source="/m", runtime="vllm", options={"max_loras": 4, "max_cpu_loras": 2})
+    with pytest.raises(ConfigError, match=r"max_cpu_loras \(2\) must be at least max_loras \(4\)"):
+        VllmOptions.of(spec)
+    assert VllmOptions(max_loras=3).cpu_loras == 3  # vLLM's default: max_loras
+    assert VllmOptions(max_loras=2, max_cpu_loras=6).cpu_loras == 6
+
+
+class _Engine(EngineRuntime):
+    """Records load/unload calls; `cache` stands for the engine's own adapter cache (max_cpu_loras)."""
+
+    def __init__(self, cache: int | None) -> None:
+        self.cache = cache
+        self.calls: list[str] = []
+
+    async def start(self) -> None: ...
+
+    @property
+    def slots(self) -> int:
+        return 1
+
+    async def stream(self, item: GenerateInput, adapter_id: str | None) -> AsyncIterator[str | Generated]:
+        yield Generated("", 0, 0, "stop")
+
+    async def load_adapter(self, adapter_id: str, path: str) -> None:
+        self.calls.append(f"load {adapter_id}")
+
+    async def unload_adapter(self, adapter_id: str) -> None:
+        self.calls.append(f"unload {adapter_id}")
+
+    def loaded_adapters(self) -> list[str]:
+        return []
+
+    @property
+    def adapter_capacity(self) -> int | None:
+        return self.cache
+
+
+@pytest.mark.parametrize(("cache", "worker_bound", "kept"), [(3, 1, 3), (2, 8, 2), (None, 2, 2)])
+async def test_engine_cache_bounds_the_loaded_adapters(cache: int | None, worker_bound: int, kept: int) -> None:
+    engine = _Engine(cache)
+    adapters = EngineAdapters(engine, worker_bound, resolve=Path)
+    assert adapters.capacity == kept
+    for name in ("a", "b", "c", "d"):
+        await adapters.acquire(name, f"/adapters/{name}")
+        adapters.release(name)
+    assert adapters.loaded() == ["a", "b", "c", "d"][-kept:]  # no unload while the engine can still hold it
+    assert [c for c in engine.calls if c.startswith("unload")] == [f"unload {a}" for a in "abcd"[: 4 - kept]]

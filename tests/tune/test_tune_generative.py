@@ -5,7 +5,22 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from lorafleet.tune.generative import GenerativeResult, is_generative, recommend
+import pytest
+import yaml
+
+from lorafleet.sidecar.vllm_runtime import VllmOptions
+from lorafleet.tune import generative
+from lorafleet.tune.config import GenerativeTuneConfig
+from lorafleet.tune.generative import (
+    GenerativeResult,
+    GenerativeSweeper,
+    cpu_loras_candidates,
+    explicit,
+    is_generative,
+    max_loras_candidates,
+    normalise,
+    recommend,
+)
 from lorafleet.tune.source import TuneSource
 
 
@@ -26,3 +41,74 @@ def test_only_causal_lm_adapters_get_the_generative_sweep(tmp_path: Path) -> Non
     for task_type, expected in (("CAUSAL_LM", True), ("FEATURE_EXTRACTION", False), (None, False)):
         (tmp_path / "adapter_config.json").write_text(json.dumps({"task_type": task_type}))
         assert is_generative(TuneSource(tmp_path, "base", "base", None, "x")) is expected
+
+
+# ---- the adapter caches: max_loras / max_cpu_loras under a multi-adapter load ------------------------------------
+
+def test_adapter_cache_sweep_space() -> None:
+    cfg = GenerativeTuneConfig(adapters=4, max_loras_grid=[8, 1, 2, 4, 2], cpu_loras_grid=[0.5, 1.0, 2.0])
+    assert max_loras_candidates(cfg) == [1, 2, 4]  # 8 slots for 4 adapters would measure nothing new
+    assert cpu_loras_candidates(cfg, 1) == [2, 4, 8]
+    assert cpu_loras_candidates(cfg, 4) == [4, 8]  # never below max_loras: vLLM refuses that
+    alone = cfg.model_copy(update={"adapters": 1})
+    assert max_loras_candidates(alone) == [] and cpu_loras_candidates(alone, 1) == []
+    assert GenerativeTuneConfig.quick_preset().max_loras_grid == []  # quick: no restarts for the caches
+
+
+def test_one_spelling_per_engine_and_explicit_recommendation() -> None:
+    assert normalise({"max_num_seqs": 8, "max_loras": 2, "max_cpu_loras": 2, "slots": None}) == \
+        {"max_num_seqs": 8, "max_loras": 2}  # max_cpu_loras = max_loras is vLLM's default
+    assert normalise({"max_loras": 4, "max_cpu_loras": 2}) == {"max_loras": 4}  # less than a step: refused
+    assert normalise({"max_loras": 2, "max_cpu_loras": 4}) == {"max_loras": 2, "max_cpu_loras": 4}
+    assert explicit({"max_loras": 2}) == {"max_loras": 2, "max_cpu_loras": 2}
+    assert explicit({"max_num_seqs": 8})["max_cpu_loras"] == 4  # the runtime's default max_loras
+
+
+def test_tuning_fleet_serves_several_adapter_ids_and_spreads_the_load(tmp_path: Path) -> None:
+    source = TuneSource(tmp_path, "/models/tiny", "tiny", None, "x")
+    sweeper = GenerativeSweeper(source, GenerativeTuneConfig(adapters=3), tmp_path / "work", lambda _: None)
+    fleet = sweeper.fleet({"max_num_seqs": 8, "max_loras": 2, "max_cpu_loras": 3})
+    ids = [m.resolved_adapter_id for m in fleet.models]
+    assert len(set(ids)) == 3 and {m.adapter for m in fleet.models} == {str(tmp_path)}
+    opts = VllmOptions.of(fleet.bases[0])  # what the worker's engine starts with
+    assert (opts.max_loras, opts.max_cpu_loras) == (2, 3)
+    assert [sweeper._body(i)["model"] for i in range(4)] == [m.name for m in fleet.models] + [fleet.models[0].name]
+
+
+class _FakeSweeper:
+    """Pure logic of the staged sweep: tokens/s from the options, no cluster (the real one is GenerativeSweeper)."""
+
+    def __init__(self, source: TuneSource, cfg: GenerativeTuneConfig, work_dir: Path, say: object) -> None:
+        self.fixed = {"max_model_len": 256, "max_lora_rank": 8}
+        self.applied: list[dict[str, object]] = []
+
+    def start(self, options: dict[str, object]) -> None:
+        self.applied.append(options)
+
+    def apply(self, options: dict[str, object]) -> float:
+        self.applied.append(options)
+        return 0.0
+
+    def stop(self) -> None: ...
+
+    def measure(self, options: dict[str, object], phase: str, restart_s: float) -> GenerativeResult:
+        loras, cpu = int(options["max_loras"]), int(options.get("max_cpu_loras") or options["max_loras"])  # type: ignore[call-overload]
+        # Each slot costs, up to 2 pay back; a cache of every adapter (4) saves rereads: 2 / 4 is the best.
+        tps = 100.0 + 10 * min(loras, 2) + 5 * min(cpu, 4) - 8 * loras
+        return GenerativeResult(dict(options), phase, tps, 10.0, 100.0, 5.0, 9.0, 400.0 + 20 * cpu)
+
+
+def test_sweep_visits_the_adapter_caches_and_recommends_them(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(generative, "GenerativeSweeper", _FakeSweeper)
+    cfg = GenerativeTuneConfig(adapters=4, seqs_grid=[32], batched_tokens_grid=[], kv_cache_gib_grid=[],
+                               slots_grid=[], max_loras_grid=[1, 2, 4], cpu_loras_grid=[0.5, 1.0], warmup_s=0)
+    source = TuneSource(tmp_path / "adapter", "/models/tiny", "tiny", None, "x")
+    result = generative.run_generative_tune(source, cfg, tmp_path / "out", say=lambda _: None)
+    seen = [(r.phase, r.options.get("max_loras"), r.options.get("max_cpu_loras")) for r in result.results]
+    assert seen == [("baseline", 4, None), ("max_loras", 1, None), ("max_loras", 2, None),
+                    ("max_cpu_loras", 2, 4)]  # share 0.5 of 4 = 2 = max_loras: the measured centre itself
+    assert result.options["max_loras"] == 2 and result.options["max_cpu_loras"] == 4
+    written = yaml.safe_load(result.files["profile"].read_text())
+    assert written["options"]["max_cpu_loras"] == 4 and VllmOptions.model_validate(written["options"]).max_loras == 2
+    assert "4 adapter id(s) in the load" in result.files["profile"].read_text()
