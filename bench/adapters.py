@@ -6,6 +6,8 @@ absolute ladder for every contender), one and two workers, three modes side by s
 
 - mixed: worker profile `mixed_adapter_batches: true` (one forward pass over tasks of many adapters);
 - today: `mixed_adapter_batches: false` (one adapter per batch, switched between batches);
+- before: one adapter per batch on the runtime as it was before mixed batches (bench/adapters_before.py:
+  peft's set_adapter switches and load path, whose cost grows with the adapters loaded);
 - ceiling: the bare base, no adapters at all.
 
 Per cell: the highest rate whose p99 stays within the SLO, and saturation throughput (completions over
@@ -42,9 +44,11 @@ from lorafleet.bench.common import (
 )
 from lorafleet.config import MIB, PACKAGED_MINILM, QueueConfig, ServingProfile
 
-MODES = ("ceiling", "today", "mixed")
-MODE_PROFILE: dict[str, dict[str, Any]] = {"ceiling": {}, "today": {"mixed_adapter_batches": False},
+MODES = ("ceiling", "before", "today", "mixed")
+MODE_PROFILE: dict[str, dict[str, Any]] = {"ceiling": {}, "before": {"mixed_adapter_batches": False},
+                                           "today": {"mixed_adapter_batches": False},
                                            "mixed": {"mixed_adapter_batches": True}}
+MODE_RUNTIME = {"before": "sentence-transformers-before"}  # the others: the base's default runtime
 FULL_FRACTIONS = [0.2, 0.4, 0.6, 0.75, 0.9, 1.05]
 QUICK_FRACTIONS = [0.25, 0.5, 0.8]
 _T0 = [time.monotonic()]
@@ -70,7 +74,8 @@ def grid(ns: list[int], modes: list[str], two_worker_ns: list[int], today_ns: li
                 if workers == 1 or two_worker_ns:
                     out.append((mode, workers, 0, "none"))
                 continue
-            for n in sorted(n for n in (ns if workers == 1 else two_worker_ns) if mode != "today" or n in today_ns):
+            for n in sorted(n for n in (ns if workers == 1 else two_worker_ns)
+                            if mode not in ("today", "before") or n in today_ns):
                 one_traffic = n == 1 or workers == 2  # two workers: uniform only (scaling, not skew)
                 out += [(mode, workers, n, t) for t in (("uniform",) if one_traffic else ("uniform", "zipf"))]
     return out
@@ -117,7 +122,8 @@ async def run_all(bench: Bench, args: argparse.Namespace, cells: list[tuple[str,
             profile = {**base_profile, **MODE_PROFILE[mode]}
             try:
                 if current != (mode, workers):
-                    fleet = fleet_for(model_source, profile, args.adapter_cache, queue, device=args.device)
+                    fleet = fleet_for(model_source, profile, args.adapter_cache, queue, device=args.device,
+                                      runtime=MODE_RUNTIME.get(mode))
                     say(f"  [{_elapsed()}] {mode}, {workers} worker(s): starting with profile {profile}…")
                     started = await bench.set_workers(fleet, workers)
                     setups[f"{mode}/w{workers}"] = {"profile": profile, "worker_start_s": round(started, 1),

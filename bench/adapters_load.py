@@ -50,9 +50,10 @@ def adapter_trace(n: int, traffic: str, count: int, seed: int, zipf_s: float) ->
 
 
 def fleet_for(model_source: str, profile: dict[str, Any], adapter_root: Path, queue: QueueConfig,
-              max_adapters: int = 1024, device: str = "cpu") -> FleetConfig:
+              max_adapters: int = 1024, device: str = "cpu", runtime: str | None = None) -> FleetConfig:
     """One base, the profile under test worker-wide, adapters allowed from the benchmark's cache folder."""
-    return FleetConfig(bases=[BaseModelSpec(name=BASE, source=model_source)], queue=queue,
+    spec = BaseModelSpec(name=BASE, source=model_source, **({"runtime": runtime} if runtime else {}))
+    return FleetConfig(bases=[spec], queue=queue,
                        gateway=GatewayConfig(port=0, default_deadline_s=DEADLINE_S),
                        worker=WorkerConfig(profile=ServingProfile(**profile), device=device, heartbeat_s=0.5,
                                            max_adapters=max_adapters, adapter_roots=[str(adapter_root)]))

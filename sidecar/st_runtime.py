@@ -148,7 +148,9 @@ class SentenceTransformerRuntime(Runtime):
         prompt = model.prompts.get(model.default_prompt_name) if model.default_prompt_name else None
         # No model.encode: it sorts rows by length, and the adapter names must follow the rows.
         features = batch_to_device(model.preprocess(texts, prompt=prompt), model.device)
-        with self._adapter_names([BASE_ROW if a is None else a for a in adapters]), torch.inference_mode():
+        rows = self._slots.grouped(adapters) if not self._aux_modules() and self._slots.groupable(adapters) else \
+            self._adapter_names([BASE_ROW if a is None else a for a in adapters])
+        with rows, torch.inference_mode():
             emb = model(features)["sentence_embedding"]
             if model.truncate_dim is not None:
                 emb = emb[:, :model.truncate_dim]
@@ -156,23 +158,34 @@ class SentenceTransformerRuntime(Runtime):
                 emb = torch.nn.functional.normalize(emb, p=2, dim=1)
             return np.asarray(emb.float().cpu().numpy(), dtype=np.float32)
 
-    @contextmanager
-    def _adapter_names(self, names: list[str]) -> Iterator[None]:
-        """Pass `adapter_names` to every LoRA layer's forward, as peft's `_enable_peft_forward_hooks` does."""
+    def _aux_modules(self) -> bool:
+        """Whether some adapter brought modules_to_save wrappers (only peft's own mixed forward handles them)."""
+        from peft.tuners.lora import LoraLayer
+
+        if self._lora_modules is None:
+            self._adapter_modules()
+        return any(not isinstance(m, LoraLayer) for m in self._lora_modules or [])
+
+    def _adapter_modules(self) -> list[Any]:
         from peft.tuners.lora import LoraLayer
         from peft.utils.other import AuxiliaryTrainingWrapper
-
-        def inject(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], names: list[str]) -> tuple[Any, Any]:
-            kwargs["adapter_names"] = names
-            return args, kwargs
 
         if self._lora_modules is None:  # walking the whole model costs about a millisecond: once per adapter set
             kinds = (LoraLayer, AuxiliaryTrainingWrapper)
             self._lora_modules = [m for m in self.model.modules() if isinstance(m, kinds)]
+        return self._lora_modules
+
+    @contextmanager
+    def _adapter_names(self, names: list[str]) -> Iterator[None]:
+        """Pass `adapter_names` to every LoRA layer's forward, as peft's `_enable_peft_forward_hooks` does."""
+        def inject(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], names: list[str]) -> tuple[Any, Any]:
+            kwargs["adapter_names"] = names
+            return args, kwargs
+
         hook = partial(inject, names=names)
         handles = []
         try:
-            for module in self._lora_modules:
+            for module in self._adapter_modules():
                 handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
             yield
         finally:

@@ -53,7 +53,8 @@ def per_adapter(rt: SentenceTransformerRuntime, texts: list[str], adapters: list
     out = np.zeros((len(texts), rt.dim), dtype=np.float32)
     for adapter in set(adapters):
         idx = [i for i, a in enumerate(adapters) if a == adapter]
-        out[idx] = rt.encode([texts[i] for i in idx], adapter)
+        rt._activate(adapter)  # peft's own one-adapter forward (set_adapter / disable_adapters + model.encode)
+        out[idx] = rt._raw_encode([texts[i] for i in idx])
     return out
 
 
@@ -159,3 +160,18 @@ def test_adapters_peft_cannot_mix_fall_back_to_one_pass_each(
         rt.unload_adapter("dora")
     texts, adapters = rows(7, 12)  # plain LoRA adapters mix again
     assert cosines(rt.encode_mixed(texts, adapters), per_adapter(rt, texts, adapters)).min() > 0.9999
+
+
+def test_grouped_updates_equal_peft_mixed_forward(rt: SentenceTransformerRuntime) -> None:
+    """The batched-matmul path (st_lora.LoraSlots.grouped) against peft's own mixed-batch forward."""
+    texts, adapters = rows(7, 24)
+    assert rt._slots.groupable(adapters)
+    grouped = rt.encode_mixed(texts, adapters)
+    with rt._adapter_names(["__base__" if a is None else a for a in adapters]):
+        model = rt.model
+        features = {k: v for k, v in model.preprocess(texts).items()}
+        import torch
+
+        with torch.inference_mode():
+            peft_rows = model(features)["sentence_embedding"].numpy()
+    assert cosines(grouped, peft_rows).min() > 0.9999
