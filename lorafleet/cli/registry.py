@@ -189,7 +189,10 @@ def ui(
     def _stop(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
+    # SIGINT too: a command started in the background of a script inherits SIGINT ignored, and Python then
+    # installs no KeyboardInterrupt handler of its own.
     signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
     try:
         code = proc.wait()
     except KeyboardInterrupt:
