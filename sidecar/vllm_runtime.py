@@ -41,7 +41,7 @@ from lorafleet.sidecar.runtime import (
     GenerateInput,
     RequestRefused,
 )
-from lorafleet.sidecar.vllm_engine import EngineConfig, VllmEngine
+from lorafleet.sidecar.vllm_engine import EngineConfig, VllmEngine, already_loaded
 from lorafleet.sidecar.vllm_protocol import EngineDied, EngineError, EngineRequestError, GenerateRequest, TextDelta
 from lorafleet.wire import GENERATE
 
@@ -195,7 +195,9 @@ class VllmRuntime(EngineRuntime):
         except EngineDied as exc:
             raise EngineDown(str(exc)) from exc
         except EngineRequestError as exc:
-            if exc.status in (400, 404, 422):  # not a LoRA this engine can take (rank, modules, files)
+            # Not a LoRA this engine can take (rank, modules, files). "Already loaded" is no misfit (the engine
+            # client reconciles it, else raises AdapterConflict): never a permanent refusal, a retry at worst.
+            if exc.status in (400, 404, 422) and not already_loaded(exc):
                 raise AdapterUnavailable(f"adapter {adapter_id!r} from {path} does not fit the vLLM engine of "
                                          f"{self.spec.name!r} (max_lora_rank {self.options.max_lora_rank}): "
                                          f"{exc}") from exc

@@ -263,6 +263,21 @@ async def test_runtime_adapter_load_and_unload_without_restart(
     assert engine.pid == pid and engine.returncode is None
 
 
+async def test_overlapping_loads_and_unloads_of_one_name_agree_with_the_engine(
+        engine: VllmEngine, tiny: dict[str, Path]) -> None:
+    """Loads (two paths) and unloads of one name all at once, as an eviction beside a new acquire: none is
+    refused as "already loaded", they apply in call order, and the client lists what the engine serves."""
+    paths = [tiny["a"], tiny["c"]]
+    ops = [engine.load_adapter("d", paths[i // 2 % 2]) if i % 2 == 0 else engine.unload_adapter("d")
+           for i in range(11)]
+    await asyncio.gather(*ops)  # the last call (i = 10), a load of tiny["c"], wins
+    served = {m["id"]: m.get("root") for m in (await engine._require_client().get("/v1/models")).json()["data"]}
+    assert "d" in engine.loaded_adapters() and served["d"] == str(tiny["c"])
+    await asyncio.gather(engine.load_adapter("d", tiny["c"]), engine.unload_adapter("d"))
+    served = {m["id"] for m in (await engine._require_client().get("/v1/models")).json()["data"]}
+    assert "d" not in engine.loaded_adapters() and "d" not in served
+
+
 async def test_concurrent_streams_all_finish(engine: VllmEngine, reference: dict[str, list[str]]) -> None:
     reqs = [GenerateRequest(prompt=PROMPTS[i % 2], adapter=[None, "a", "b"][i % 3], **GREEDY) for i in range(12)]
     results = await asyncio.gather(*(engine.generate(r) for r in reqs))
