@@ -6,7 +6,9 @@ message is settled (ack / nak with delay / term). The row depends on the situati
 whether this delivery is the last one the consumer will make (num_delivered >= max_deliver).
 
 A task whose gateway is gone (no subscriber on its reply inbox for longer than a reconnect takes)
-is dropped before it is computed: its answer could only be thrown away.
+is dropped before it is computed: its answer could only be thrown away. While the gateway is only
+away (within `worker.orphan_grace_s`) the task is retried, its deliveries spread over the grace
+(`away_retry_delay`), so it is never dropped at its last delivery before the grace has passed.
 
 Adapter failures are split in two on purpose: an adapter that cannot exist for this worker
 (unknown URI scheme, missing directory, invalid adapter files) fails the same way on every
@@ -102,3 +104,23 @@ def is_last_delivery(num_delivered: int | None, max_deliver: int) -> bool:
 def decide(situation: Situation, num_delivered: int | None, max_deliver: int) -> Action:
     """The action for one task; `num_delivered` comes from the JetStream message metadata."""
     return ACK_TABLE[(situation, is_last_delivery(num_delivered, max_deliver))]
+
+
+AWAY_MARGIN_S = 0.05  # the last delivery comes a little after the grace ends, never on its edge
+
+
+def away_retry_delay(away_s: float, grace_s: float, num_delivered: int | None, max_deliver: int,
+                     floor_s: float) -> float:
+    """The nak delay of a task whose gateway has been away for `away_s` (a retry, `_RETRY`, not the last delivery).
+
+    Each retry uses a delivery. The deliveries left are spread evenly over what is left of the grace, so the
+    last one comes only once the gateway has been away for `grace_s`: back by then, it gets its answer; still
+    away, it is gone and the task is dropped (`ORPHANED`). Recomputed on every delivery, with whatever this
+    worker knows: one that learnt of the absence later counts from then, which only delays the last delivery.
+    Never shorter than `floor_s` (`QueueConfig.nak_delay_s`).
+    """
+    left = grace_s - away_s
+    if left <= 0.0:
+        return floor_s
+    remaining = max(max_deliver - (num_delivered or 1), 1)  # deliveries after this one
+    return max(floor_s, left / remaining + AWAY_MARGIN_S)

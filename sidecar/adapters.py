@@ -18,14 +18,21 @@ at most `device_bytes` on the device and `device_bytes + host_bytes` of host mem
 
 `use(wanted)` pins the adapters a batch needs while it computes: a pinned adapter is never evicted, an
 adapter that finds no room because everything else hot is pinned is deferred (the caller runs it in a
-next pass), and a failed load fails only that adapter. Main thread only, like the runtime.
+next pass), and a failed load fails only that adapter. A URI that may download (a plugin scheme such as
+`models:`, the registry tier) is resolved on a thread of its own (`Fetches`): its adapter is `fetching`
+until that ends, and the caller defers its tasks, so a download and its sha256 checks never stop the
+compute thread (every base it serves). Local folders resolve in place (a few stat calls). The cache
+itself is main thread only, like the runtime; `preload` and `ensure` resolve in place, on the thread
+that calls them.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -111,6 +118,7 @@ class AdapterUse:
     ready: set[str] = field(default_factory=set)  # on the device, pinned until the with-block ends
     failed: dict[str, BaseException] = field(default_factory=dict)  # AdapterUnavailable: permanent; else transient
     deferred: set[str] = field(default_factory=set)  # no room now (everything else hot is pinned): run them next
+    fetching: dict[str, Future[Path]] = field(default_factory=dict)  # URI still resolving (a download): run later
     loaded_now: set[str] = field(default_factory=set)  # ready ones that had to be loaded
     sources: dict[str, str] = field(default_factory=dict)  # loaded_now id → "host" | "disk" | "registry"
 
@@ -123,6 +131,51 @@ class _Held:
 
 class NoRoom(Exception):
     """Every adapter that could make room is pinned."""
+
+
+class Fetching(Exception):
+    """The adapter's URI is being resolved on a fetch thread; `future` ends with its folder or what it raised."""
+
+    def __init__(self, future: Future[Path]) -> None:
+        super().__init__("adapter URI still resolving")
+        self.future = future
+
+
+class Fetches:
+    """URI resolves that may download, each on a daemon thread of its own (one per URI at a time).
+
+    `start` returns the running fetch of a URI, or starts one; a finished one is handed out until a load
+    takes its result (`forget`), and the next load after that resolves afresh (a failure is retried, a
+    bundle evicted from the cache downloaded again). Daemon threads: a download that hangs never keeps
+    the worker from exiting. Any thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running: dict[str, Future[Path]] = {}
+
+    def start(self, uri: str, resolve: Callable[[str], Path]) -> Future[Path]:
+        with self._lock:
+            future = self._running.get(uri)
+            if future is None:
+                future = self._running[uri] = Future()
+                threading.Thread(target=_fetch, args=(future, resolve, uri), name="adapter-fetch", daemon=True).start()
+            return future
+
+    def forget(self, uri: str, future: Future[Path]) -> None:
+        with self._lock:
+            if self._running.get(uri) is future:
+                del self._running[uri]
+
+
+def _fetch(future: Future[Path], resolve: Callable[[str], Path], uri: str) -> None:
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        path = resolve(uri)
+    except BaseException as exc:  # AdapterUnavailable: permanent; anything else: the tasks are retried
+        future.set_exception(exc)
+    else:
+        future.set_result(path)
 
 
 def files_nbytes(path: Path) -> int:
@@ -142,7 +195,8 @@ class AdapterCache:
 
     def __init__(self, runtime: Runtime, max_adapters: int = DEFAULT_MAX_ADAPTERS,
                  resolve: Callable[[str], Path] = resolve_adapter_uri, events: AdapterEvents | None = None, *,
-                 device_bytes: int = DEFAULT_DEVICE_BYTES, host_bytes: int = DEFAULT_HOST_BYTES) -> None:
+                 device_bytes: int = DEFAULT_DEVICE_BYTES, host_bytes: int = DEFAULT_HOST_BYTES,
+                 fetches: Fetches | None = None) -> None:
         if max_adapters < 1:
             raise ValueError("max_adapters must be at least 1")
         if device_bytes < 1 or host_bytes < 0:
@@ -153,6 +207,7 @@ class AdapterCache:
         self.host_bytes = host_bytes
         self.resolve = resolve
         self.events = events
+        self.fetches = fetches if fetches is not None else Fetches()
         self._hot: OrderedDict[str, _Held] = OrderedDict()  # LRU order, most recent last
         self._warm: OrderedDict[str, AdapterWeights] = OrderedDict()
         self._hot_bytes = 0
@@ -161,10 +216,12 @@ class AdapterCache:
 
     # -- what callers ask ----------------------------------------------------------------------------
     @contextmanager
-    def use(self, wanted: Mapping[str, str | None]) -> Iterator[AdapterUse]:
+    def use(self, wanted: Mapping[str, str | None], *, fetch_aside: bool = True) -> Iterator[AdapterUse]:
         """Make the `wanted` adapters (id → URI, None when none is known) hot and pin them for the with-block.
 
-        Progress: unless another open `use` pins adapters, at least one wanted adapter ends ready or failed."""
+        `fetch_aside`: a URI that may download resolves on a fetch thread (the adapter is `fetching` meanwhile);
+        False resolves it here. Progress: unless another open `use` pins adapters, at least one wanted adapter
+        ends ready, failed or fetching."""
         use = AdapterUse()
         pinned: list[str] = []
         try:
@@ -177,9 +234,12 @@ class AdapterCache:
                 if adapter_id in use.ready:
                     continue
                 try:
-                    use.sources[adapter_id] = self._load(adapter_id, uri)
+                    use.sources[adapter_id] = self._load(adapter_id, uri, fetch_aside)
                 except NoRoom:
                     use.deferred.add(adapter_id)
+                    continue
+                except Fetching as fetching:
+                    use.fetching[adapter_id] = fetching.future
                     continue
                 except Exception as exc:  # the caller fails this adapter's tasks with it (transient)
                     use.failed[adapter_id] = exc
@@ -201,7 +261,7 @@ class AdapterCache:
             self._hot.move_to_end(adapter_id)
             return DEVICE
         was_warm = adapter_id in self._warm
-        with self.use({adapter_id: uri}) as use:
+        with self.use({adapter_id: uri}, fetch_aside=False) as use:
             if adapter_id in use.failed:
                 raise use.failed[adapter_id]
             if adapter_id not in use.deferred:
@@ -214,7 +274,7 @@ class AdapterCache:
 
     def ensure(self, adapter_id: str, uri: str | None) -> bool:
         """Make `adapter_id` hot and most recent (not pinned); True when it had to be loaded now."""
-        with self.use({adapter_id: uri}) as use:
+        with self.use({adapter_id: uri}, fetch_aside=False) as use:
             if adapter_id in use.failed:
                 raise use.failed[adapter_id]
             if adapter_id in use.deferred:
@@ -239,8 +299,9 @@ class AdapterCache:
         self._pins[adapter_id] += 1
         pinned.append(adapter_id)
 
-    def _load(self, adapter_id: str, uri: str | None) -> str:
-        """Load a cold or warm adapter onto the device; returns its source. NoRoom when it cannot fit now."""
+    def _load(self, adapter_id: str, uri: str | None, fetch_aside: bool = False) -> str:
+        """Load a cold or warm adapter onto the device; returns its source. NoRoom when it cannot fit now,
+        Fetching while its URI resolves on a fetch thread (`fetch_aside`)."""
         weights = self._warm.get(adapter_id)
         if weights is not None:
             self._check_fits(adapter_id, weights.nbytes)
@@ -258,8 +319,8 @@ class AdapterCache:
             return HOST
         if not uri:
             raise AdapterUnavailable(f"adapter {adapter_id!r} has no URI (neither in the task nor in the fleet config)")
-        path = self.resolve(uri)
         source = source_of(uri)
+        path = self._resolve_aside(uri) if fetch_aside and source == REGISTRY else self.resolve(uri)
         weights = self.runtime.read_adapter(adapter_id, str(path))
         nbytes = weights.nbytes if weights is not None else files_nbytes(path)
         self._check_fits(adapter_id, nbytes)
@@ -275,6 +336,14 @@ class AdapterCache:
             self.runtime.load_adapter(adapter_id, str(path))
         self._add_hot(adapter_id, _Held(nbytes, weights), source)
         return source
+
+    def _resolve_aside(self, uri: str) -> Path:
+        """The folder of `uri` once its fetch has ended (raising what it raised); Fetching until then."""
+        future = self.fetches.start(uri, self.resolve)
+        if not future.done():
+            raise Fetching(future)
+        self.fetches.forget(uri, future)  # taken: a later load (after an eviction) resolves afresh
+        return future.result()
 
     def _check_fits(self, adapter_id: str, nbytes: int) -> None:
         if nbytes > self.device_bytes:

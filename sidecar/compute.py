@@ -5,18 +5,29 @@ and the runtime computes them in one forward pass (`Runtime.encode_mixed`). Eith
 batch needs are pinned in the base's adapter cache while it computes (`AdapterCache.use`), so a load
 for one of them never evicts another; an adapter that fails to load fails only its own tasks, and one
 that finds no room (every hot slot pinned by this batch) runs in a second pass of the same batch.
+
+An adapter whose URI is still being fetched (a `models:` download and its sha256 checks, on a fetch
+thread: `adapters.Fetches`) defers its tasks instead: they leave the batch, uncomputed and not failed,
+the rest of the batch is computed and settled as usual, and the waiting rows go back to the NATS side
+(`side.resume`) when the fetch ends, to come back as a batch of their own. Meanwhile this thread
+computes every other batch, of any base. The waiting tasks stay held (kept alive) without a slot.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import replace
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
 from lorafleet.adapters import AdapterUnavailable
+from lorafleet.deadlines import local_deadline
 from lorafleet.sidecar.acks import Situation
 from lorafleet.sidecar.adapters import AdapterCache
 from lorafleet.sidecar.batcher import Batch
@@ -41,6 +52,22 @@ def load_failure(adapter: str, exc: BaseException) -> Outcome:
     return Outcome(Situation.ADAPTER_FAILED, message=f"{type(exc).__name__}: {exc}")
 
 
+class _Once:
+    """Runs `fn` on the first call only: the done-callback of every fetch a batch waits for (any thread)."""
+
+    def __init__(self, fn: Callable[[], object]) -> None:
+        self._fn = fn
+        self._lock = threading.Lock()
+        self._called = False
+
+    def __call__(self, _future: object = None) -> None:
+        with self._lock:
+            if self._called:
+                return
+            self._called = True
+        self._fn()
+
+
 class Computer:
     """Runs batches on the (batch) runtimes; main thread only."""
 
@@ -49,31 +76,55 @@ class Computer:
         self.runtimes = runtimes
         self.caches = caches
         self.lookup = lookup
-        self.side = side  # where generated text is streamed to
+        self.side = side  # the NATS side: generated text streams there; rows that waited for a fetch go back (resume)
         self.adapters_changed = False
         self.last_encode: tuple[int, float] | None = None  # (items, seconds) of the last batch computed whole
+        self.waiting: Batch | None = None  # the last run's rows that wait for an adapter fetch
 
     def run(self, batch: Batch) -> tuple[list[Outcome], float]:
+        """One outcome per task of `batch`, in order, and the wall-clock time compute began.
+
+        Rows whose adapter is still being fetched leave `batch` first (its items shrink to the rows answered
+        now): they are `self.waiting`, handed to `side.resume` once a fetch they wait for ends."""
         started = time.time()
         self.last_encode = None
+        self.waiting = None
         outcomes: list[Outcome | None] = [None] * len(batch.items)
         pending: list[int] = []
         for i, item in enumerate(batch.items):
-            if item.task.deadline <= started:
+            if local_deadline(item.task) <= started:
                 outcomes[i] = Outcome(Situation.DEADLINE, message="deadline passed before compute")
             else:
                 pending.append(i)
+        fetching: dict[str, Future[Path]] = {}
         passes = 0
         while pending:
             passes += 1
-            pending = self._pass(batch, pending, outcomes, whole=passes == 1)
+            pending = self._pass(batch, pending, outcomes, fetching, whole=passes == 1)
+        if fetching:
+            self._defer(batch, outcomes, fetching)
         return [o for o in outcomes if o is not None], started
+
+    def _defer(self, batch: Batch, outcomes: list[Outcome | None], fetching: dict[str, Future[Path]]) -> None:
+        """The rows left without an outcome wait for a fetch: out of `batch`, back to the side when one ends."""
+        waiting = replace(batch, items=[p for p, o in zip(batch.items, outcomes, strict=True) if o is None], seq=0)
+        batch.items = [p for p, o in zip(batch.items, outcomes, strict=True) if o is not None]
+        self.waiting = waiting
+        log.info("%d task(s) of %s wait for adapter(s) %s to be fetched; other batches compute meanwhile",
+                 len(waiting), batch.base, ", ".join(sorted(fetching)))
+        side = self.side
+        if side is not None:
+            resume = _Once(lambda: side.resume(waiting))
+            for future in fetching.values():
+                future.add_done_callback(resume)  # at once when it has ended already
 
     def _adapter_of(self, batch: Batch, i: int) -> str | None:
         return batch.items[i].task.adapter if batch.mixed else batch.adapter
 
-    def _pass(self, batch: Batch, pending: list[int], outcomes: list[Outcome | None], whole: bool) -> list[int]:
-        """Compute what can run now; returns the indices deferred to another pass (no room in the cache)."""
+    def _pass(self, batch: Batch, pending: list[int], outcomes: list[Outcome | None],
+              fetching: dict[str, Future[Path]], whole: bool) -> list[int]:
+        """Compute what can run now; returns the indices deferred to another pass (no room in the cache).
+        Rows whose adapter is being fetched get no outcome; their fetches are added to `fetching`."""
         wanted: dict[str, str | None] = {}
         for i in pending:
             adapter = self._adapter_of(batch, i)
@@ -97,6 +148,8 @@ class Computer:
                 adapter = self._adapter_of(batch, i)
                 if adapter is not None and adapter in use.failed:
                     outcomes[i] = load_failure(adapter, use.failed[adapter])
+                elif adapter is not None and adapter in use.fetching:
+                    fetching[adapter] = use.fetching[adapter]
                 elif adapter is None or adapter in use.ready:
                     now.append(i)
                 else:
@@ -107,7 +160,7 @@ class Computer:
                     outcomes[i] = Outcome(Situation.ADAPTER_FAILED, message="no room in the adapter cache")
                 return []
             if now:
-                self._compute(batch, now, outcomes, whole and not later and not use.failed)
+                self._compute(batch, now, outcomes, whole and not later and not use.failed and not use.fetching)
         return later
 
     def _uri(self, batch: Batch, adapter: str) -> str | None:

@@ -4,8 +4,9 @@ Each message is held (kept alive with in_progress until it is settled) and decod
 tasks (a body that is no Task, a task for another base, generate parameters that do not parse) and
 tasks whose deadline already passed are settled right here; tasks whose gateway is gone are dropped
 uncomputed (`owners.OwnerTracker`: checked for redeliveries and for gateways that failed to take a
-reply, so a first delivery to a live gateway costs nothing extra). Shared by the batch scheduler
-(scheduler.py) and the engine lanes (engine_lane.py).
+reply, so a first delivery to a live gateway costs nothing extra), and tasks whose gateway is away
+(maybe reconnecting) go back for a later delivery, spread over the grace (settle.py). Shared by the
+batch scheduler (scheduler.py) and the engine lanes (engine_lane.py).
 """
 
 from __future__ import annotations
@@ -14,13 +15,12 @@ import asyncio
 import time
 from typing import Any
 
+from lorafleet.deadlines import local_deadline
 from lorafleet.sidecar.acks import Situation, is_last_delivery
 from lorafleet.sidecar.batcher import Pulled
 from lorafleet.sidecar.owners import Owner, OwnerTracker
-from lorafleet.sidecar.settle import HeldTable, Settler, num_delivered
+from lorafleet.sidecar.settle import HeldTable, Settlement, Settler, num_delivered
 from lorafleet.wire import GENERATE, GenerateParams, MalformedTask, Task
-
-Refused = tuple[Any, str, Situation, Task | None, str, None, float]
 
 
 class Intake:
@@ -34,7 +34,7 @@ class Intake:
         now = time.time()
         mono = time.monotonic()
         out: list[Pulled] = []
-        refused: list[Refused] = []
+        refused: list[Settlement] = []
         for msg in msgs:
             self.held.add(msg)
             try:
@@ -43,10 +43,11 @@ class Intake:
                     raise MalformedTask(f"task names base {task.base!r} but came on {base!r}'s subject")
                 params = GenerateParams.of(task) if task.op == GENERATE else None
             except MalformedTask as exc:
-                refused.append((msg, base, Situation.MALFORMED, None, str(exc), None, now))
+                refused.append(Settlement(msg, base, Situation.MALFORMED, reason=str(exc), started=now))
                 continue
-            if task.deadline <= now:
-                refused.append((msg, base, Situation.DEADLINE, task, "deadline passed in the queue", None, now))
+            if local_deadline(task, received=now) <= now:  # fixed once here, on this host's clock
+                refused.append(Settlement(msg, base, Situation.DEADLINE, task, "deadline passed in the queue",
+                                          started=now))
                 continue
             out.append(Pulled(task, msg, mono, params))
         if self.owners is not None and out:
@@ -55,7 +56,7 @@ class Intake:
             await self.settler.settle_many(refused)
         return out
 
-    async def _drop_orphans(self, pulled: list[Pulled], refused: list[Refused], now: float) -> list[Pulled]:
+    async def _drop_orphans(self, pulled: list[Pulled], refused: list[Settlement], now: float) -> list[Pulled]:
         """Tasks whose gateway no longer listens are not computed: retried later (away) or dropped (gone)."""
         owners = self.owners
         assert owners is not None
@@ -68,11 +69,11 @@ class Intake:
             verdict = bad.get(id(p))
             if verdict is Owner.GONE:
                 owners.dropped += 1
-                refused.append((p.msg, p.task.base, Situation.ORPHANED, p.task,
-                                "its gateway is gone (nobody listens on its reply inbox)", None, now))
+                refused.append(Settlement(p.msg, p.task.base, Situation.ORPHANED, p.task,
+                                          "its gateway is gone (nobody listens on its reply inbox)", started=now))
             elif verdict is Owner.AWAY:
                 if is_last_delivery(num_delivered(p.msg), self.settler.queue.max_deliver):
                     owners.dropped += 1  # away at its last delivery too: dropped (ack table), not computed
-                refused.append((p.msg, p.task.base, Situation.OWNER_AWAY, p.task,
-                                "its gateway does not listen just now", None, now))
+                refused.append(Settlement(p.msg, p.task.base, Situation.OWNER_AWAY, p.task,
+                                          "its gateway does not listen just now", started=now))
         return [p for p in pulled if id(p) not in bad]

@@ -75,6 +75,13 @@ class OwnerTracker:
         if len(self._seen) > 1024:
             self._forget(now)
 
+    def away_for(self, reply: str) -> float | None:
+        """Seconds since this owner was first found absent (None: not absent when last heard of)."""
+        seen = self._seen.get(owner_of(reply))
+        if seen is None or seen.absent_since is None:
+            return None
+        return self.clock() - seen.absent_since
+
     def suspect(self, reply: str) -> bool:
         """Whether this owner was absent when last heard of (then its tasks are checked before compute)."""
         seen = self._seen.get(owner_of(reply))

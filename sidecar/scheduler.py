@@ -6,7 +6,9 @@ backlog. Each base keeps one open fetch(1) (its waiter) across cycles; a slot fi
 from the base whose head task is oldest, so a worker never holds full batches of several bases at
 once (tasks that an idle peer could serve). A head that lands while the worker is busy waits, held
 and kept alive, for the next free slot. A slot is one batch queued or computing here; it frees
-when the main thread posts the batch's outcome back.
+when the main thread posts the batch's outcome back. Rows whose adapter is still being downloaded
+leave their batch and hold no slot while they wait (compute.py); they take one again when the
+download ends (`resume`).
 
 Before a task is computed, `admit` (intake.py) drops what nobody waits for: malformed and expired
 tasks, and tasks whose gateway is gone. These are the bases of in-process (batch) runtimes; an
@@ -19,6 +21,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from lorafleet.config import FleetConfig
@@ -28,7 +31,7 @@ from lorafleet.sidecar.intake import Intake
 from lorafleet.sidecar.owners import OwnerTracker
 from lorafleet.sidecar.pull import IDLE_POLL_S, ArrivalRate, BatchTime, fill, wait_first
 from lorafleet.sidecar.service_rate import ServiceRate
-from lorafleet.sidecar.settle import HeldTable, Settler
+from lorafleet.sidecar.settle import HeldTable, Settlement, Settler
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +81,7 @@ class PullScheduler:
         self._waiters: dict[str, asyncio.Task[Any]] = {}  # base → its open fetch(1), kept across cycles
         self._heads: dict[str, Any] = {}  # base → a message its waiter brought that no batch has taken yet
         self._seq = 0
+        self._resuming: set[asyncio.Task[None]] = set()  # rows back from an adapter fetch, waiting for a slot
 
     async def run(self) -> None:
         caps = {base: pull_cap(self.fleet, base) for base in self.bases}
@@ -160,9 +164,28 @@ class PullScheduler:
                 waiter.cancel()
             elif waiter.result() is not None:
                 left.append((base, waiter.result()))
-        await self.settler.settle_many([(msg, base, Situation.SHUTDOWN, None,
-                                         "worker shut down before taking the task", None, time.time())
+        await self.settler.settle_many([Settlement(msg, base, Situation.SHUTDOWN,
+                                                   reason="worker shut down before taking the task")
                                         for base, msg in left])
+
+    def resume(self, batch: Batch) -> None:
+        """Rows that waited for an adapter fetch (compute.py) go to the main thread again once a slot is free.
+
+        They hold no slot while they wait (a download must not stop the other bases), so they take one now."""
+        task = asyncio.create_task(self._resume(batch))
+        self._resuming.add(task)
+        task.add_done_callback(self._resuming.discard)
+
+    async def _resume(self, batch: Batch) -> None:
+        await self.slots.acquire()
+        items = [p for p in batch.items if p.msg in self.held]  # a drain that timed out gave some back already
+        if not items:
+            self.slots.release()
+            return
+        self._seq += 1
+        batch = replace(batch, items=items, seq=self._seq)
+        self.service_rates[batch.base].begin()
+        self.handoff(batch)
 
     async def admit(self, base: str, msgs: list[Any]) -> list[Pulled]:
         """Decode and hold each message; malformed, expired and orphaned tasks are settled here (intake.py)."""

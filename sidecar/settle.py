@@ -6,7 +6,13 @@ message nobody is subscribed to, so a gateway that is reconnecting (or a server 
 restarted) would otherwise never see an answer whose task we then ack or terminate. An
 unconfirmed reply keeps the task for another delivery (nak with delay) unless nobody waits for
 it any more (its deadline passed) or this is its last delivery. Duplicates this can cause are
-dropped by the gateway. The table of what to do in each situation is `acks.ACK_TABLE`.
+dropped by the gateway. The table of what to do in each situation is `acks.ACK_TABLE`; each task's
+row is decided once (`Plan`), and changes only when its reply went unconfirmed (`after_reply`).
+
+A task whose gateway is away (nobody on its inbox: gone, or reconnecting) is retried with a nak delay
+that spreads the deliveries it has left over what remains of `worker.orphan_grace_s`
+(`acks.away_retry_delay`): every retry uses a delivery, and the last one must come only once the
+grace has passed, so a gateway back within it still gets its answer.
 
 The class talks to NATS only through the message (`ack`, `nak`, `term`, `data`, `metadata`,
 `headers`, `subject`) and the connection (`request`) and JetStream (`publish`) objects it is
@@ -19,13 +25,21 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from nats.errors import NoRespondersError
 
 from lorafleet.config import QueueConfig
-from lorafleet.sidecar.acks import REPLY_RESULT, Action, Settle, Situation, decide, is_last_delivery
+from lorafleet.sidecar.acks import (
+    REPLY_RESULT,
+    Action,
+    Settle,
+    Situation,
+    away_retry_delay,
+    decide,
+    is_last_delivery,
+)
 from lorafleet.sidecar.batcher import Batch
 from lorafleet.sidecar.runtime import Generated
 from lorafleet.wire import (
@@ -94,6 +108,9 @@ class HeldTable:
     def __len__(self) -> int:
         return len(self._held)
 
+    def __contains__(self, msg: object) -> bool:
+        return id(msg) in self._held
+
     def add(self, msg: Any) -> None:
         self._held.setdefault(id(msg), Held(msg))
         self._empty.clear()
@@ -146,6 +163,39 @@ def after_reply(action: Action, situation: Situation, delivered: bool, last: boo
     return decide(Situation.UNDELIVERED, 1, 2), "no gateway confirmed the reply"
 
 
+@dataclass(frozen=True, slots=True)
+class Settlement:
+    """One task to settle: its message, what happened to it, and what to answer with."""
+
+    msg: Any
+    base: str
+    situation: Situation
+    task: Task | None = None  # None when the body is no Task (malformed) or was never decoded (shutdown)
+    reason: str = ""  # why, for an error reply, the dead-letter header and the log
+    payload: Payload | None = None  # the vector or the text of an OK task
+    started: float = field(default_factory=time.time)  # wall clock when compute began: the result's queue time
+
+    @property
+    def reply(self) -> str | None:
+        """The task's reply inbox, when one can be read."""
+        if self.task is not None:
+            return self.task.reply
+        hint = reply_hint(self.msg.data)
+        return hint[0] if hint else None
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What to do with one task, decided once from its situation and delivery: the ack-table row, the reply."""
+
+    item: Settlement
+    deliveries: int
+    last: bool  # this is the consumer's last delivery of it
+    action: Action
+    reply: str | None = None  # the inbox to answer on (None: no reply goes out)
+    body: bytes | None = None
+
+
 class Settler:
     """Replies and settles tasks for one worker connection."""
 
@@ -161,57 +211,54 @@ class Settler:
 
     async def complete(self, batch: Batch, outcomes: Sequence[Outcome], started: float) -> None:
         """Answer and settle every task of a computed batch: replies go out together, then each is settled."""
-        n = len(batch.items)
         await self.settle_many([
-            (item.msg, batch.base, out.situation, item.task, out.message, out.payload, started)
+            Settlement(item.msg, batch.base, out.situation, item.task, out.message, out.payload, started)
             for item, out in zip(batch.items, outcomes, strict=True)
-        ], batch_size=n)
+        ], batch_size=len(batch.items))
 
-    async def settle_many(self, items: Sequence[tuple[Any, str, Situation, Task | None, str, Payload | None, float]],
-                          batch_size: int = 0) -> None:
-        """Settle several tasks, their replies delivered concurrently (one slow gateway does not serialise them).
-
-        Each item: (msg, base, situation, task or None, reason, vector or Text or None, compute start time).
-        """
-        plans = [self._plan(*item, batch_size=batch_size) for item in items]
-        delivered = await asyncio.gather(*(self._deliver(reply, body) if body is not None else _true()
-                                           for _, _, _, reply, body in plans))
-        for (msg, base, situation, _, _), done, item in zip(plans, delivered, items, strict=True):
-            await self._finish(msg, base, situation, item[3], item[4], done)
+    async def settle_many(self, items: Sequence[Settlement], batch_size: int = 0) -> None:
+        """Settle several tasks, their replies delivered concurrently (one slow gateway does not serialise them)."""
+        plans = [self._plan(item, batch_size) for item in items]
+        delivered = await asyncio.gather(*(self._deliver(p.reply, p.body) if p.body is not None else _true()
+                                           for p in plans))
+        for plan, done in zip(plans, delivered, strict=True):
+            await self._finish(plan, done)
 
     async def settle(self, msg: Any, base: str, situation: Situation, *, task: Task | None = None,
                      reason: str = "", vector: Payload | None = None, started: float | None = None,
                      batch_size: int = 0) -> None:
-        await self.settle_many([(msg, base, situation, task, reason, vector,
-                                 time.time() if started is None else started)], batch_size=batch_size)
+        await self.settle_many([Settlement(msg, base, situation, task, reason, vector,
+                                           time.time() if started is None else started)], batch_size=batch_size)
 
     # -- steps -------------------------------------------------------------------------------------
-    def _plan(self, msg: Any, base: str, situation: Situation, task: Task | None, reason: str,
-              payload: Payload | None, started: float, batch_size: int = 0
-              ) -> tuple[Any, str, Situation, str | None, bytes | None]:
-        """(msg, base, situation, reply inbox, reply body): what to send before settling."""
-        action = decide(situation, num_delivered(msg), self.queue.max_deliver)
+    def _plan(self, item: Settlement, batch_size: int = 0) -> Plan:
+        """The ack-table row of one task (decided here, once) and the reply to send before settling it."""
+        msg, task, situation = item.msg, item.task, item.situation
+        deliveries = num_delivered(msg)
+        last = is_last_delivery(deliveries, self.queue.max_deliver)
+        action = decide(situation, deliveries, self.queue.max_deliver)
+        plan = Plan(item, deliveries, last, action)
         if action.reply is None:
-            return msg, base, situation, None, None
+            return plan
         target = (task.reply, task.id, task.index) if task else reply_hint(msg.data)
         if target is None:  # not even a reply inbox could be read: nobody to tell
-            return msg, base, situation, None, None
+            return plan
         reply, task_id, index = target
         if action.reply == REPLY_RESULT:
-            queue_ms = max(started - task.enqueued, 0.0) * 1000.0 if task else 0.0
+            payload = item.payload
+            queue_ms = max(item.started - task.enqueued, 0.0) * 1000.0 if task else 0.0
             if isinstance(payload, Text):
                 g = payload.generated
                 result = Result(task_id, index, self.worker_id, text=g.text, prompt_tokens=g.prompt_tokens,
                                 completion_tokens=g.completion_tokens, finish_reason=g.finish_reason,
-                                queue_ms=queue_ms, batch_size=batch_size, seq=payload.chunks,
-                                attempt=num_delivered(msg))
+                                queue_ms=queue_ms, batch_size=batch_size, seq=payload.chunks, attempt=deliveries)
             else:
-                result = Result(task_id, index, self.worker_id, vector=payload, dim=self.dims.get(base, 0),
+                result = Result(task_id, index, self.worker_id, vector=payload, dim=self.dims.get(item.base, 0),
                                 queue_ms=queue_ms, batch_size=batch_size)
         else:
             result = Result(task_id, index, self.worker_id, error_code=action.reply,
-                            error_message=reason or situation.value, batch_size=batch_size)
-        return msg, base, situation, reply, result.to_wire()
+                            error_message=item.reason or situation.value, batch_size=batch_size)
+        return Plan(item, deliveries, last, action, reply, result.to_wire())
 
     async def _deliver(self, reply: str | None, body: bytes | None) -> bool:
         assert reply is not None and body is not None
@@ -229,30 +276,45 @@ class Settler:
             self.owners.heard(reply, True)
         return True
 
-    async def _finish(self, msg: Any, base: str, situation: Situation, task: Task | None, reason: str,
-                      delivered: bool) -> None:
-        deliveries = num_delivered(msg)
-        action = decide(situation, deliveries, self.queue.max_deliver)
-        action, why = after_reply(action, situation, delivered, is_last_delivery(deliveries, self.queue.max_deliver))
+    def nak_delay(self, plan: Plan, action: Action, situation: Situation) -> float | None:
+        """How long a nak'ed task waits: nak_delay_s, stretched while its gateway is away so that its deliveries
+        left reach past `orphan_grace_s` (a reconnecting gateway still gets its answer)."""
+        if not action.nak_delay:
+            return None
+        delay = self.queue.nak_delay_s
+        if self.owners is None or situation not in (Situation.OWNER_AWAY, Situation.UNDELIVERED):
+            return delay
+        reply = plan.reply or plan.item.reply
+        away = self.owners.away_for(reply) if reply else None
+        if away is None:  # not known to be away (an unconfirmed reply that timed out): the usual delay
+            return delay
+        return away_retry_delay(away, self.owners.grace_s, plan.deliveries, self.queue.max_deliver, delay)
+
+    async def _finish(self, plan: Plan, delivered: bool) -> None:
+        item, deliveries = plan.item, plan.deliveries
+        msg, base, task, situation, reason = item.msg, item.base, item.task, item.situation, item.reason
+        action, why = after_reply(plan.action, situation, delivered, plan.last)
         if why:
             situation, reason = Situation.UNDELIVERED, f"{why} ({situation.value}{': ' + reason if reason else ''})"
         try:
             settle = action.settle
             if action.dead_letter and not await self._dead_letter(msg, base, reason or situation.value, deliveries):
                 settle = Settle.NAK  # keep the task rather than lose it; the next delivery tries again
+            delay: float | None = None
             if settle is Settle.ACK:
                 await msg.ack()
             elif settle is Settle.TERM:
                 await msg.term()
             else:
-                await msg.nak(delay=self.queue.nak_delay_s if action.nak_delay else None)
+                delay = self.nak_delay(plan, action, situation)
+                await msg.nak(delay=delay)
             if settle is not Settle.NAK:
                 self.tasks_done += 1
             if situation is not Situation.OK:
                 log.log(_LOG_LEVEL.get(situation, logging.WARNING),
-                        "task %s: %s → %s%s (delivery %d/%d)%s", task.id if task else "?", situation.value,
-                        settle.value, " + dead-letter" if action.dead_letter else "", deliveries,
-                        self.queue.max_deliver, f": {reason}" if reason else "")
+                        "task %s: %s → %s%s%s (delivery %d/%d)%s", task.id if task else "?", situation.value,
+                        settle.value, f" {delay:.2f}s" if delay else "", " + dead-letter" if action.dead_letter else "",
+                        deliveries, self.queue.max_deliver, f": {reason}" if reason else "")
         except Exception as exc:
             log.error("settling a task (%s) failed: %s", situation.value, exc)
         finally:

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,20 @@ def fleet_dict(tiny_model_dir: Path, adapters: dict[str, Path], **worker: Any) -
                    "adapter_roots": sorted({str(p.parent) for p in adapters.values()}), **worker},
         "queue": {"storage": "memory", "ack_wait_s": 5.0, "max_deliver": 3, "nak_delay_s": 0.1},
     }
+
+
+async def until(cond: Callable[[], bool | Awaitable[bool]], timeout: float, what: str, poll_s: float = 0.02) -> None:
+    """Wait for a known state (`cond` true, sync or async); AssertionError naming `what` after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if not isinstance(value, bool):
+            value = await value
+        if value:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout}s")
+        await asyncio.sleep(poll_s)
 
 
 def create_streams(fleet_file: Path, nats_url: str) -> None:

@@ -76,3 +76,26 @@ def test_unconfirmed_result_is_retried_then_dead_lettered() -> None:
     assert first.settle is Settle.NAK and first.nak_delay and first.reply is None
     last = decide(Situation.UNDELIVERED, 5, 5)
     assert last.settle is Settle.TERM and last.dead_letter
+
+
+def test_an_away_owners_retries_reach_past_the_grace() -> None:
+    from lorafleet.sidecar.acks import AWAY_MARGIN_S, away_retry_delay
+
+    # 5 deliveries, 3 s of grace, the inbox vanished at delivery 1: four retries 0.75 s apart end past the grace.
+    t, delays = 0.0, []
+    for delivered in range(1, 5):
+        delays.append(away_retry_delay(t, 3.0, delivered, 5, 0.5))
+        t += delays[-1]
+    assert t >= 3.0 and delays[0] == pytest.approx(0.75 + AWAY_MARGIN_S)
+    assert away_retry_delay(1.0, 3.0, 4, 5, 0.5) == pytest.approx(2.0 + AWAY_MARGIN_S)  # learnt late: the rest at once
+    assert away_retry_delay(0.0, 3.0, 1, 5, 2.0) == 2.0  # never below nak_delay_s
+    assert away_retry_delay(3.5, 3.0, 2, 5, 0.5) == 0.5  # past the grace: the next delivery finds it gone
+
+
+def test_a_grace_that_no_redelivery_can_cover_is_refused_at_load() -> None:
+    from lorafleet.config import ConfigError, FleetConfig, validate_model
+
+    with pytest.raises(ConfigError, match=r"orphan_grace_s \(3s\) needs queue\.max_deliver of at least 2"):
+        validate_model(FleetConfig, {"queue": {"max_deliver": 1}})
+    assert validate_model(FleetConfig, {"queue": {"max_deliver": 1}, "worker": {"orphan_grace_s": 0}})
+    assert validate_model(FleetConfig, {"queue": {"max_deliver": 2}}).worker.orphan_grace_s == 3.0

@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
 from nats.errors import NoRespondersError
+from sidecar_testkit import BASE, fleet_dict, until
 
-from lorafleet.config import FleetConfig
+from lorafleet.config import FleetConfig, QueueConfig
 from lorafleet.sidecar.acks import Situation
 from lorafleet.sidecar.owners import Owner, OwnerTracker, owner_of
 from lorafleet.sidecar.scheduler import PullScheduler
 from lorafleet.sidecar.service_rate import ServiceRate
-from lorafleet.sidecar.settle import HeldTable
-from lorafleet.wire import Task
+from lorafleet.sidecar.settle import HeldTable, Settlement
+from lorafleet.wire import HDR_MSG_ID, Result, Task, consumer_name, inbox_prefix, work_subject
 
 
 class Clock:
@@ -129,8 +132,8 @@ class Settler:
         self.settled: list[tuple[Situation, str]] = []
         self.queue = FleetConfig().queue
 
-    async def settle_many(self, items: list[Any]) -> None:
-        self.settled += [(item[2], item[3].id if item[3] else "?") for item in items]
+    async def settle_many(self, items: list[Settlement]) -> None:
+        self.settled += [(item.situation, item.task.id if item.task else "?") for item in items]
 
 
 async def test_admit_drops_orphans_before_compute_and_probes_only_when_it_matters() -> None:
@@ -158,3 +161,54 @@ async def test_admit_drops_orphans_before_compute_and_probes_only_when_it_matter
     clock.t += 2.5
     pulled = await sched.admit("b", [Msg(task(5, "_INBOX.dead"), 3)])
     assert pulled == [] and settler.settled[-1] == (Situation.ORPHANED, "t5") and owners.dropped == 1
+
+
+@pytest.mark.integration
+def test_an_answer_rides_out_a_gateway_reconnect(nats_server: Any, start_worker: Any, tiny_model_dir: Path,
+                                                 tiny_adapters: dict[str, Path]) -> None:
+    # Issue 23 item 4: a task whose gateway was reconnecting was retried every nak_delay_s, each retry a delivery,
+    # and dropped unanswered at its last delivery, long before orphan_grace_s had passed.
+    grace = 3.0
+    fleet = fleet_dict(tiny_model_dir, tiny_adapters, orphan_grace_s=grace)  # max_deliver 3, nak_delay_s 0.1
+    # Backoff steps all equal to ack_wait: nats-server then redelivers a nak'ed task after exactly its nak delay. (With
+    # growing steps, as derived by default, it adds backoff[n] - ack_wait to the n-th nak's delay on 2.15.)
+    fleet["queue"]["backoff_s"] = [fleet["queue"]["ack_wait_s"]] * 2
+    start_worker(fleet, nats_server.url, "reconnect")
+    result = asyncio.run(reconnecting_gateway(nats_server.url, grace))
+    assert result.ok and result.vector and result.dim > 0
+
+
+async def reconnecting_gateway(url: str, grace: float) -> Result:
+    """A gateway whose inbox is gone while its task is computed, and back after 0.8 of the grace: its answer."""
+    import nats
+
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    prefix = inbox_prefix("gw-reconnect")
+    task = Task(id=uuid.uuid4().hex, request_id="rq", index=0, model=BASE, base=BASE, text="Die Kündigung.",
+                tokens=4, deadline=time.time() + 60, reply=f"{prefix}.rq")
+    answered: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
+
+    async def gateway(msg: Any) -> None:  # confirms results and probes alike, as the gateway does
+        if msg.reply:
+            await nc.publish(msg.reply, b"")
+        if msg.data and not answered.done():
+            answered.set_result(Result.from_wire(msg.data))
+
+    async def delivered_again() -> bool:
+        info = await js.consumer_info(QueueConfig().stream, consumer_name(BASE))
+        return info.delivered.consumer_seq >= 2
+
+    try:
+        away = time.monotonic()  # nobody subscribes to the inbox: the gateway is reconnecting
+        await js.publish(work_subject(BASE), task.to_wire(), headers={HDR_MSG_ID: task.id})
+        # The worker computed it, found nobody on the inbox and gave it back: it came again (a known state).
+        await until(delivered_again, grace * 0.8, "the task was redelivered while its inbox was away")
+        await asyncio.sleep(max(away + grace * 0.8 - time.monotonic(), 0.0))  # the reconnect takes 0.8 of the grace
+        await nc.subscribe(f"{prefix}.>", cb=gateway)
+        try:
+            return await asyncio.wait_for(answered, grace + 10.0)
+        except TimeoutError:
+            raise AssertionError("no answer: the task was dropped while its gateway reconnected") from None
+    finally:
+        await nc.close()

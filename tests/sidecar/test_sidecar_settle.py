@@ -11,10 +11,12 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from nats.errors import NoRespondersError
 
 from lorafleet.config import QueueConfig
-from lorafleet.sidecar.acks import Situation
-from lorafleet.sidecar.settle import HeldTable, Settler, after_reply, reply_hint
+from lorafleet.sidecar.acks import Situation, decide
+from lorafleet.sidecar.owners import Owner, OwnerTracker
+from lorafleet.sidecar.settle import HeldTable, Settlement, Settler, after_reply, reply_hint
 from lorafleet.wire import ERR_ADAPTER, ERR_DEADLINE, Result, Task
 
 
@@ -141,7 +143,7 @@ async def test_replies_of_one_batch_go_out_together() -> None:
     nc = FakeNats(gate=gate)
     s, _ = settler(nc)
     msgs = [FakeMsg(task(i)) for i in range(2)]
-    settling = asyncio.create_task(s.settle_many([(m, "b", Situation.OK, task(i), "", b"\x00" * 8, 0.0)
+    settling = asyncio.create_task(s.settle_many([Settlement(m, "b", Situation.OK, task(i), payload=b"\x00" * 8)
                                                   for i, m in enumerate(msgs)]))
     while nc.waiting < 2:
         await asyncio.sleep(0)
@@ -162,11 +164,71 @@ async def test_drain_awaits_the_last_settle() -> None:
 
 
 def test_after_reply_rules() -> None:
-    from lorafleet.sidecar.acks import decide
-
     ok = decide(Situation.OK, 1, 3)
     assert after_reply(ok, Situation.OK, True, False) == (ok, None)
     changed, why = after_reply(ok, Situation.OK, False, False)
     assert changed.settle.value == "nak" and changed.nak_delay and why == "no gateway confirmed the reply"
     shutdown = decide(Situation.SHUTDOWN, 1, 3)  # no reply at all: nothing to confirm
     assert after_reply(shutdown, Situation.SHUTDOWN, False, False) == (shutdown, None)
+
+
+class AwayNats:
+    """`request` finds nobody on any inbox (a gateway reconnecting): no responders, for results and probes alike."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+
+    async def request(self, subject: str, body: bytes, timeout: float) -> None:
+        self.requests += 1
+        raise NoRespondersError
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.mark.parametrize(("max_deliver", "nak_delay_s"), [(5, 0.5), (3, 0.1), (2, 0.5), (8, 0.0)])
+async def test_an_away_owner_keeps_its_task_until_the_grace_has_passed(max_deliver: int, nak_delay_s: float) -> None:
+    # Issue 23 item 4: each retry of an away owner's task uses a delivery; 0.5 s apart, 5 deliveries ended 2 s after
+    # the inbox vanished, before a 3 s grace, and the task was dropped although its gateway was only reconnecting.
+    clock, nc = Clock(), AwayNats()
+    owners = OwnerTracker(nc.request, grace_s=3.0, clock=clock)
+    s = Settler(nc, FakeJs(), QueueConfig(max_deliver=max_deliver, nak_delay_s=nak_delay_s), "w1", HeldTable(),
+                {"b": 2}, owners=owners)
+    t = task()
+    msg = FakeMsg(t, delivered=1)
+    await s.settle(msg, "b", Situation.OK, task=t, vector=b"\x00" * 8)  # computed; the reply finds nobody
+    vanished = clock.t
+    for delivered in range(2, max_deliver + 1):
+        (kind, delay), = msg.settled
+        assert kind == "nak" and delay is not None and delay >= nak_delay_s
+        clock.t += delay
+        if delivered == max_deliver:
+            break
+        assert await owners.status(t.reply) is Owner.AWAY  # what intake sees on this delivery: retried, not computed
+        msg = FakeMsg(t, delivered=delivered)
+        await s.settle(msg, "b", Situation.OWNER_AWAY, task=t)
+    # The last delivery comes only once the grace has passed since the inbox vanished: a gateway back by then gets
+    # its answer, one still away is gone (dropped uncomputed, not dropped while merely reconnecting).
+    assert clock.t - vanished >= owners.grace_s
+    assert await owners.status(t.reply) is Owner.GONE
+
+
+async def test_each_task_is_decided_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lorafleet.sidecar import settle as settle_module
+
+    calls: list[Situation] = []
+
+    def counting(situation: Situation, delivered: int | None, max_deliver: int) -> Any:
+        calls.append(situation)
+        return decide(situation, delivered, max_deliver)
+
+    monkeypatch.setattr(settle_module, "decide", counting)
+    s, _ = settler(FakeNats())
+    msgs = [FakeMsg(task(i)) for i in range(3)]
+    await s.settle_many([Settlement(m, "b", Situation.OK, task(i), payload=b"\x00" * 8) for i, m in enumerate(msgs)])
+    assert calls == [Situation.OK] * 3 and all(m.settled == [("ack", None)] for m in msgs)
