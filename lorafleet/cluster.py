@@ -40,7 +40,7 @@ import yaml
 from lorafleet import settings
 from lorafleet.cluster_state import STATE_FILE, ClusterError, ClusterState, collect_status, down
 from lorafleet.config import FleetConfig, load_yaml_model
-from lorafleet.fleet_state import ensure_fleet_bucket, put_fleet_config
+from lorafleet.fleet_state import ensure_config_bucket, ensure_fleet_bucket, purge_legacy_fleet_config, put_fleet_config
 from lorafleet.heartbeats import ENV_RESTARTS
 from lorafleet.nats_auth import TlsFiles
 from lorafleet.nats_client import ClientSettings, join_urls, quiet_tls_noise, server_urls
@@ -78,8 +78,9 @@ def run_async(coro: Coroutine[Any, Any, Any]) -> Any:
 
 
 async def apply_layout(url: str, options: dict[str, Any], fleet: FleetConfig) -> None:
-    """With the admin credential: the streams as the fleet file says (created or reconfigured), the fleet bucket
-    and, in it, the fleet file for processes on other hosts."""
+    """With the admin credential: the streams as the fleet file says (created or reconfigured), the fleet bucket,
+    and the fleet file for processes on other hosts in its own bucket, which only admin may write (it names what
+    a joining worker runs; control, which writes the fleet bucket, must not choose that)."""
     import nats
     from nats.errors import NoRespondersError
     from nats.errors import TimeoutError as NatsTimeoutError
@@ -94,7 +95,9 @@ async def apply_layout(url: str, options: dict[str, Any], fleet: FleetConfig) ->
             try:
                 await ensure_fleet_streams(js, fleet, update=True)
                 kv = await ensure_fleet_bucket(js, replicas=fleet.nats.stream_replicas())
-                await put_fleet_config(kv, fleet)  # for workers and gateways that join from other hosts
+                await purge_legacy_fleet_config(kv)  # where older versions kept it, writable by control
+                config = await ensure_config_bucket(js, replicas=fleet.nats.stream_replicas())
+                await put_fleet_config(config, fleet)  # for workers and gateways that join from other hosts
                 return
             except (ServiceUnavailableError, NoRespondersError, NatsTimeoutError) as exc:
                 if time.monotonic() > deadline:  # a new cluster's stream leaders are still being elected

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import re
 import time
 from collections.abc import Callable, Iterable
@@ -30,16 +31,24 @@ from lorafleet.config import (
     validate_model,
 )
 from lorafleet.nats_client import server_urls
-from lorafleet.wire import FLEET_KV_BUCKET
+from lorafleet.wire import FLEET_CONFIG_KV_BUCKET, FLEET_KV_BUCKET
 
 log = logging.getLogger(__name__)
 
 KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
-# The fleet file itself, for processes on other hosts (`lorafleet worker`/`gateway` without --fleet). Served
-# names start with a letter or digit (KEY_RE), so this key can never be one of them.
+# The fleet file itself, for processes on other hosts (`lorafleet worker`/`gateway` without --fleet): the key in
+# its own bucket (FLEET_CONFIG_KV_BUCKET), which only the admin role may write. Not in the fleet bucket: control
+# (promote, a CI job) writes that one, and the fleet file names what a worker executes (a runtime's venv, flags).
 FLEET_CONFIG_KEY = "_fleet"
+# Settings of the shared fleet file that make a joining worker run a program or pass it arguments: a worker
+# started with only --nats-url refuses them unless its own host consents (ENV_TRUST_FLEET_EXEC=1).
+EXEC_OPTIONS = ("venv", "extra_args")
+ENV_TRUST_FLEET_EXEC = "LORAFLEET_TRUST_FLEET_EXEC"
+# A promotion's lock (`lorafleet promote`/`rollback`): held in the fleet bucket from before the champion is read
+# until the fleet state is written, so two promotions of one name never interleave (registry/promote.py).
+LOCK_PREFIX = "_lock."
 # A promotion's staged entry (`lorafleet promote`): the new version under `_preload.NAME` while the workers of
 # its base preload it, before the live entry NAME is written. Not a served name either, so gateways never
 # route by it; workers turn it into a preload.
@@ -162,9 +171,50 @@ def shared_fleet_config(fleet: FleetConfig) -> bytes:
     return json.dumps(fleet.model_dump(mode="json", exclude=_HOST_LOCAL), indent=1).encode()
 
 
+async def ensure_config_bucket(js: Any, *, replicas: int = 1) -> Any:
+    """The bucket of the fleet file, created if missing: `lorafleet up` with the admin credential (no other role
+    may create or write it)."""
+    return await ensure_fleet_bucket(js, FLEET_CONFIG_KV_BUCKET, replicas=replicas)
+
+
 async def put_fleet_config(kv: Any, fleet: FleetConfig) -> int:
-    """Publish the fleet file (what `lorafleet up` serves) for processes that join from other hosts."""
+    """Publish the fleet file (what `lorafleet up` serves) for processes that join from other hosts; `kv` is the
+    config bucket (ensure_config_bucket)."""
     return await kv.put(FLEET_CONFIG_KEY, shared_fleet_config(fleet))
+
+
+async def purge_legacy_fleet_config(fleet_kv: Any) -> None:
+    """Remove the fleet file that versions before the config bucket kept in the fleet bucket (admin, at `up`)."""
+    from nats.js.errors import KeyDeletedError, KeyNotFoundError
+
+    try:
+        await fleet_kv.get(FLEET_CONFIG_KEY)
+    except (KeyNotFoundError, KeyDeletedError):
+        return
+    await fleet_kv.purge(FLEET_CONFIG_KEY)
+
+
+def exec_settings(fleet: FleetConfig) -> list[str]:
+    """Where a fleet file names a program to run or arguments to pass it (`bases[NAME].options.venv`, …)."""
+    return [f"bases[{b.name}].options.{k}" for b in fleet.bases for k in EXEC_OPTIONS if b.options.get(k)]
+
+
+def check_exec_consent(fleet: FleetConfig, allow: bool | None = None) -> FleetConfig:
+    """The fleet file read from NATS, refused when it names programs or flags and this host did not consent
+    (`allow`, default: ENV_TRUST_FLEET_EXEC=1): whoever can write the bucket must not choose what runs here."""
+    if allow is None:
+        allow = os.environ.get(ENV_TRUST_FLEET_EXEC, "").strip().lower() in ("1", "true", "yes")
+    named = exec_settings(fleet)
+    if named and not allow:
+        raise FleetStateError(
+            f"the fleet file in NATS sets {', '.join(named)}: a process that joins with only --nats-url does not run "
+            f"programs or flags the NATS server names. Pass --fleet FLEET.yaml (this host's own copy), or set "
+            f"{ENV_TRUST_FLEET_EXEC}=1 on this host to accept them.")
+    return fleet
+
+
+NO_FLEET_FILE = ("this NATS server holds no fleet file: the cluster was not started by `lorafleet up` (which "
+                 "publishes it), or it was deleted. Pass --fleet FLEET.yaml.")
 
 
 async def read_fleet_config(kv: Any) -> FleetConfig:
@@ -174,18 +224,17 @@ async def read_fleet_config(kv: Any) -> FleetConfig:
     try:
         entry = await kv.get(FLEET_CONFIG_KEY)
     except KeyNotFoundError as exc:
-        raise FleetStateError(
-            "this NATS server holds no fleet file: the cluster was not started by `lorafleet up` (which publishes "
-            "it), or it was deleted. Pass --fleet FLEET.yaml."
-        ) from exc
+        raise FleetStateError(NO_FLEET_FILE) from exc
     try:
         return validate_model(FleetConfig, json.loads(entry.value), source=f"NATS KV {FLEET_CONFIG_KEY}")
     except (ConfigError, ValueError) as exc:
         raise FleetStateError(f"the fleet file in NATS is not valid: {exc}; pass --fleet FLEET.yaml") from exc
 
 
-def fetch_fleet_config(url: str, options: dict[str, Any], timeout: float = 10.0) -> FleetConfig:
-    """The fleet file published in NATS (`lorafleet up` does), read once at start by a process on another host."""
+def fetch_fleet_config(url: str, options: dict[str, Any], timeout: float = 10.0, *, allow_exec: bool | None = None
+                       ) -> FleetConfig:
+    """The fleet file published in NATS (`lorafleet up` does), read once at start by a process on another host;
+    refused when it names programs to run without this host's consent (check_exec_consent)."""
     import nats
 
     async def fetch() -> FleetConfig:
@@ -195,11 +244,15 @@ def fetch_fleet_config(url: str, options: dict[str, Any], timeout: float = 10.0)
         except Exception as exc:
             raise FleetStateError(f"cannot read the fleet file from NATS at {url}: {exc!r}") from exc
         try:
-            return await read_fleet_config(await open_fleet_bucket(nc.jetstream()))
+            try:
+                kv = await open_fleet_bucket(nc.jetstream(), FLEET_CONFIG_KV_BUCKET)
+            except FleetStateError as exc:
+                raise FleetStateError(NO_FLEET_FILE) from exc
+            return await read_fleet_config(kv)
         finally:
             await nc.close()
 
-    return asyncio.run(fetch())
+    return check_exec_consent(asyncio.run(fetch()), allow_exec)
 
 
 async def read_entries(kv: Any) -> dict[str, FleetEntry]:
@@ -220,6 +273,37 @@ async def read_entries(kv: Any) -> dict[str, FleetEntry]:
 
 async def put_entry(kv: Any, entry: FleetEntry) -> int:
     return await kv.put(entry.name, entry.to_bytes())
+
+
+async def read_entry(kv: Any, name: str) -> tuple[FleetEntry | None, int]:
+    """The live entry of `name` (None: none, or deleted) and the key's last revision (0: never written), for
+    `write_entry(…, last=)`."""
+    from nats.js.errors import KeyNotFoundError
+
+    try:
+        got = await kv.get(name)
+    except KeyNotFoundError as exc:  # nats-py: a deleted key's marker comes with it, never written: none
+        return None, exc.entry.revision if exc.entry is not None else 0
+    try:
+        return FleetEntry.from_bytes(got.value), got.revision
+    except Exception:  # a bad entry is replaced like a missing one, but only at this revision
+        return None, got.revision
+
+
+class FleetStateConflict(FleetStateError):
+    """Someone wrote the entry after it was read: the write was refused."""
+
+
+async def write_entry(kv: Any, entry: FleetEntry, last: int) -> int:
+    """Write the live entry only if the key is still at revision `last` (compare-and-set); FleetStateConflict
+    if anyone wrote it in between."""
+    from nats.js.errors import KeyWrongLastSequenceError
+
+    try:
+        return await kv.update(entry.name, entry.to_bytes(), last=last)
+    except KeyWrongLastSequenceError as exc:
+        raise FleetStateConflict(f"the fleet state of {entry.name} was changed by someone else after it was read "
+                                 f"(expected revision {last})") from exc
 
 
 async def delete_entry(kv: Any, name: str) -> None:

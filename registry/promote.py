@@ -13,12 +13,23 @@ its base loads it; the fleet switches only once all have confirmed. A worker tha
 the timeout fails a promotion (nothing changed: the fleet would otherwise switch to a version some workers
 could not load, and its first requests there would wait for the download); a rollback, which is urgent,
 goes ahead and says which workers did not confirm.
+
+Concurrency (issue 23): a promotion or rollback of NAME holds NAME's lock in the fleet bucket
+(registry/lock.py) from before it reads the champion until it has written the fleet state, so a second one
+is refused at once ("another promote of NAME is in progress"). Under the lock it reads the champion, its
+history and the live entry (with its revision) again, gates against that champion, preloads, reads all of it
+once more (anything changed meanwhile: nothing changes) and writes the entry by compare-and-set on that
+revision. The registry alias is the record of intent; the fleet entry and the history follow it. A process
+that died between moving the alias and writing the entry leaves them disagreeing: every promote, rollback
+and `check(repair=True)` (`lorafleet registry check NAME --repair`) finds that and republishes the alias's
+version first.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 from collections.abc import Callable
@@ -35,8 +46,9 @@ from lorafleet.fleet_state import (
     adapter_id_for,
     delete_staged,
     open_fleet_bucket,
-    put_entry,
     put_staged,
+    read_entry,
+    write_entry,
 )
 from lorafleet.nats_auth import CREDS_SUFFIX, explain_connect_error
 from lorafleet.nats_client import ClientSettings, server_urls
@@ -44,6 +56,7 @@ from lorafleet.nats_server import port_open
 from lorafleet.refs import version_uri
 from lorafleet.registry import store
 from lorafleet.registry.bundle import BundleSpec
+from lorafleet.registry.lock import HeldLock, LockBusy, promote_lock
 from lorafleet.registry.preload import DEFAULT_PRELOAD_TIMEOUT_S, PreloadResult, wait_preloaded
 from lorafleet.registry.store import CANDIDATE, CHAMPION, VersionInfo
 from lorafleet.tasks import GateResult, get_task_kind
@@ -70,8 +83,21 @@ def default_margin() -> float:
 
 
 def check_gate(candidate: VersionInfo, champion: VersionInfo | None, margin: float) -> GateResult:
-    """Pure apart from the plugin lookup: the candidate's task kind judges it against base and champion."""
+    """Pure apart from the plugin lookup: the candidate's task kind judges it against base and champion.
+
+    Test numbers measured on different datasets say nothing about each other: when both versions record their
+    dataset digest and the digests differ, the comparison with the champion is refused (the gate fails; the
+    base comparison, made on the candidate's own test set, still counts). A version without a digest (older
+    registries) is compared as before."""
     kind = get_task_kind(candidate.task)
+    mine = candidate.dataset_digest
+    theirs = champion.dataset_digest if champion is not None else None
+    if champion is not None and champion.version != candidate.version and mine and theirs and mine != theirs:
+        alone = kind.gate(candidate.metrics(), None, margin, candidate_label=f"version {candidate.version}")
+        why = (f"v{candidate.version} was scored on dataset {mine[:12]}, the champion v{champion.version} on dataset "
+               f"{theirs[:12]}: their {alone.metric} numbers are not comparable. Re-evaluate the champion on "
+               f"v{candidate.version}'s dataset (train it again on that data) or promote with --force")
+        return dataclasses.replace(alone, ok=False, reasons=[*alone.reasons, why])
     return kind.gate(candidate.metrics(), champion.metrics() if champion is not None else None, margin,
                      candidate_label=f"version {candidate.version}",
                      champion_label=f"the champion v{champion.version}" if champion is not None else "the champion")
@@ -161,6 +187,76 @@ async def _connect(url: str, client: ClientSettings | None = None) -> object:
         raise FleetStateError(explain_connect_error(exc, url)) from exc
 
 
+# -- what the registry and the fleet say about one name ------------------------------------------
+
+@dataclass(frozen=True)
+class Agreement:
+    """The champion alias, its history and the version the fleet serves under one name, as read together.
+
+    They agree when the fleet serves the champion and the history ends with it (or there is no champion).
+    `revision` is the live entry's last revision in the fleet bucket: the compare-and-set of the next write."""
+
+    name: str
+    champion: str | None
+    served: str | None  # the live entry's version; None: no entry
+    history: tuple[str, ...]
+    revision: int = 0
+    repaired: bool = False  # this is the state after a repair of a disagreement
+
+    @property
+    def agrees(self) -> bool:
+        return self.champion is None or (self.served == self.champion and self.history[-1:] == (self.champion,))
+
+    def key(self) -> tuple[object, ...]:
+        return self.champion, self.served, self.history, self.revision
+
+    def describe(self) -> str:
+        served = f"v{self.served}" if self.served else "nothing"
+        champion = f"v{self.champion}" if self.champion else "none"
+        return f"champion {champion}, fleet serves {served}, history {','.join(self.history) or '-'}"
+
+
+def repaired_history(history: tuple[str, ...], champion: str) -> tuple[str, ...]:
+    """The history that ends with `champion`: cut after its last entry (a rollback that died before trimming), or
+    with it appended (a promotion that died before recording it)."""
+    if champion in history:
+        return history[: len(history) - history[::-1].index(champion)]
+    return (*history, champion)
+
+
+def rollback_target(name: str, champion: str | None, history: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:
+    """The version a rollback returns to and the history after it."""
+    if champion is None:
+        raise PromotionError(f"{name} has no champion to roll back from (promote a version first)")
+    trimmed = list(history)
+    while trimmed and trimmed[-1] == champion:
+        trimmed.pop()
+    if not trimmed:
+        raise PromotionError(f"{name}: champion v{champion} has no previous champion to roll back to")
+    return trimmed[-1], tuple(trimmed)
+
+
+async def _snapshot(kv: object, name: str) -> Agreement:
+    champion = await asyncio.to_thread(store.alias_version, name, CHAMPION)
+    history = tuple(await asyncio.to_thread(store.champion_history, name))
+    entry, revision = await read_entry(kv, name)
+    return Agreement(name, champion, entry.version if entry is not None else None, history, revision)
+
+
+async def _repair(kv: object, state: Agreement) -> Agreement:
+    """Make the fleet entry and the history follow the alias (under the name's lock)."""
+    assert state.champion is not None  # agrees otherwise
+    revision = state.revision
+    if state.served != state.champion:
+        info, spec = await asyncio.to_thread(store.bundle_spec, state.name, state.champion)
+        revision = await write_entry(kv, _entry(info, spec.base.name, spec.profile, "set", spec), last=revision)
+    history = repaired_history(state.history, state.champion)
+    if history != state.history:
+        await asyncio.to_thread(store.set_champion_history, state.name, list(history))
+    log.warning("%s: repaired the disagreement %s", state.name, state.describe())
+    return dataclasses.replace(state, served=state.champion, history=history, revision=revision, repaired=True)
+
+
 # -- promote / rollback ---------------------------------------------------------------------------
 
 @dataclass
@@ -173,10 +269,11 @@ class Outcome:
     gate: GateResult | None
     nats_url: str
     preload: PreloadResult | None = None  # None: --no-preload
+    repaired: Agreement | None = None  # the disagreement found (and repaired) before switching
 
 
 def _entry(info: VersionInfo, base: str, profile: ServingProfile | None,
-           action: Literal["promote", "rollback"], spec: BundleSpec | None = None) -> FleetEntry:
+           action: Literal["promote", "rollback", "set"], spec: BundleSpec | None = None) -> FleetEntry:
     details = spec.details if spec is not None else {}
     generation = details.get("generation")
     return FleetEntry(name=info.name, base=base, adapter_id=adapter_id_for(info.name, info.version),
@@ -217,96 +314,165 @@ async def _preload(nc: object, kv: object, entry: FleetEntry, target: FleetTarge
     return result
 
 
-async def _publish(target: FleetTarget, info: VersionInfo, action: Literal["promote", "rollback"],
-                   move_alias: Callable[[], None], undo_alias: Callable[[], None], preload: Preload
-                   ) -> tuple[FleetEntry, PreloadResult | None]:
-    _, spec = store.bundle_spec(info.name, info.version)
+# Given the state read under the lock: the version to publish, the champion history after it, the gate's verdict.
+Decide = Callable[[Agreement], tuple[VersionInfo, tuple[str, ...], GateResult | None]]
+
+
+@dataclass(frozen=True)
+class _Switched:
+    entry: FleetEntry
+    preload: PreloadResult | None
+    gate: GateResult | None
+    previous: str | None
+    repaired: Agreement | None
+
+
+def _move(name: str, version: str, history: tuple[str, ...]) -> None:
+    store.set_alias(name, CHAMPION, version)
+    store.set_champion_history(name, list(history))
+
+
+def _undo(name: str, version: str, before: Agreement) -> None:
+    """Put alias and history back as read, unless the alias no longer shows this switch (never overwrite another
+    change)."""
+    if store.alias_version(name, CHAMPION) != version:
+        return
+    if before.champion is None:
+        store.delete_alias(name, CHAMPION)
+    else:
+        store.set_alias(name, CHAMPION, before.champion)
+    store.set_champion_history(name, list(before.history))
+
+
+async def _switch_locked(nc: object, kv: object, lock: HeldLock, target: FleetTarget, bases: list[str], name: str,
+                         action: Literal["promote", "rollback"], decide: Decide, preload: Preload) -> _Switched:
+    say = preload.progress or log.info
+    state = await _snapshot(kv, name)
+    found = None
+    if not state.agrees:
+        found = state
+        say(f"{name}: the registry and the fleet disagree ({state.describe()}): the fleet state follows the "
+            "champion alias again first")
+        state = await _repair(kv, state)
+    info, history, gate = await asyncio.to_thread(decide, state)
+    _, spec = await asyncio.to_thread(store.bundle_spec, info.name, info.version)
+    if spec.base.name not in bases:
+        raise PromotionError(f"{info.name} v{info.version} runs on base {spec.base.name!r}, which this fleet "
+                             f"does not serve (it serves: {', '.join(bases)}); add the base to the fleet first")
+    entry = _entry(info, spec.base.name, spec.profile, action, spec)
+    preloaded = await _preload(nc, kv, entry, target, preload) if preload.enabled else None
+    try:
+        lock.ensure()
+        fresh = await _snapshot(kv, name)  # the preload took a while: decide on what is true now
+        if fresh.key() != state.key():
+            raise PromotionError(f"{name} changed while the preload ran (was: {state.describe()}; now: "
+                                 f"{fresh.describe()}); nothing changed. Run it again")
+        await asyncio.to_thread(_move, name, info.version, history)
+        try:
+            await write_entry(kv, entry, last=fresh.revision)
+        except Exception as exc:
+            await asyncio.to_thread(_undo, name, info.version, fresh)
+            raise FleetStateError(f"writing the fleet state failed, alias restored: {exc}") from exc
+    finally:
+        if preloaded is not None:
+            with contextlib.suppress(Exception):  # workers ignore a stale one: the adapter is loaded
+                await delete_staged(kv, entry.name)
+    return _Switched(entry, preloaded, gate, state.champion, found)
+
+
+async def _bases(nc: object, target: FleetTarget) -> list[str]:
+    bases = target.bases if target.bases is not None else await _heartbeat_bases(nc)
+    if not bases:
+        raise PromotionError("cannot tell which base models the fleet serves: no fleet file and no worker "
+                             "heartbeat; pass --fleet FLEET.yaml")
+    return bases
+
+
+async def _switch(target: FleetTarget, name: str, action: Literal["promote", "rollback"], decide: Decide,
+                  preload: Preload) -> _Switched:
     nc = await _connect(target.nats_url, target.client)
     try:
         kv = await open_fleet_bucket(nc.jetstream())  # type: ignore[attr-defined]
-        bases = target.bases if target.bases is not None else await _heartbeat_bases(nc)
-        if not bases:
-            raise PromotionError("cannot tell which base models the fleet serves: no fleet file and no worker "
-                                 "heartbeat; pass --fleet FLEET.yaml")
-        if spec.base.name not in bases:
-            raise PromotionError(f"{info.name} v{info.version} runs on base {spec.base.name!r}, which this fleet "
-                                 f"does not serve (it serves: {', '.join(bases)}); add the base to the fleet first")
-        entry = _entry(info, spec.base.name, spec.profile, action, spec)
-        preloaded = await _preload(nc, kv, entry, target, preload) if preload.enabled else None
-        move_alias()
+        bases = await _bases(nc, target)
         try:
-            await put_entry(kv, entry)
-        except Exception as exc:
-            undo_alias()
-            raise FleetStateError(f"writing the fleet state failed, alias restored: {exc}") from exc
-        finally:
-            if preloaded is not None:
-                with contextlib.suppress(Exception):  # workers ignore a stale one: the adapter is loaded
-                    await delete_staged(kv, entry.name)
-        return entry, preloaded
+            async with promote_lock(kv, name, action) as lock:
+                return await _switch_locked(nc, kv, lock, target, bases, name, action, decide, preload)
+        except LockBusy as exc:
+            raise PromotionError(str(exc)) from exc
     finally:
         with contextlib.suppress(Exception):
             await nc.close()  # type: ignore[attr-defined]
+
+
+def _gate_or_refuse(info: VersionInfo, champion: str | None, margin: float, force: bool) -> GateResult:
+    gate = check_gate(info, store.get_version(info.name, champion) if champion is not None else None, margin)
+    if not gate.ok and not force:
+        raise PromotionError(f"{info.name} v{info.version} fails the quality gate: " + "; ".join(gate.reasons)
+                             + " (use --force to promote anyway)")
+    return gate
 
 
 def promote(name: str, version: str | int | None = None, *, force: bool = False, margin: float | None = None,
             nats_url: str | None = None, fleet_file: Path | None = None, creds: Path | None = None,
             preload: Preload | None = None) -> Outcome:
     """Gate, preload on the workers of its base, move `champion` to the version (default: the `candidate` alias,
-    else the newest), publish live."""
+    else the newest), publish live. The gate runs once before connecting (a refusal needs no cluster) and again
+    under the name's lock, against the champion as it is then."""
     margin = default_margin() if margin is None else margin
     if version is None:
         version = store.alias_version(name, CANDIDATE)
     info = store.get_version(name, version)
-    current = store.alias_version(name, CHAMPION)
-    champion = store.get_version(name, current) if current is not None else None
-    gate = check_gate(info, champion, margin)
-    if not gate.ok and not force:
-        raise PromotionError(f"{name} v{info.version} fails the quality gate: " + "; ".join(gate.reasons)
-                             + " (use --force to promote anyway)")
+    _gate_or_refuse(info, store.alias_version(name, CHAMPION), margin, force)
     target = find_fleet(nats_url, fleet_file, creds)
-    history = store.champion_history(name)
 
-    def move() -> None:
-        store.set_alias(name, CHAMPION, info.version)
-        if not history or history[-1] != info.version:
-            store.set_champion_history(name, [*history, info.version])
+    def decide(state: Agreement) -> tuple[VersionInfo, tuple[str, ...], GateResult | None]:
+        gate = _gate_or_refuse(info, state.champion, margin, force)
+        history = state.history if state.history[-1:] == (info.version,) else (*state.history, info.version)
+        return info, history, gate
 
-    def undo() -> None:
-        if current is None:
-            store.delete_alias(name, CHAMPION)
-        else:
-            store.set_alias(name, CHAMPION, current)
-        store.set_champion_history(name, history)
-
-    entry, preloaded = asyncio.run(_publish(target, info, "promote", move, undo, preload or Preload()))
-    return Outcome(name, info.version, current, "promote", entry, gate, target.nats_url, preloaded)
+    done = asyncio.run(_switch(target, name, "promote", decide, preload or Preload()))
+    return Outcome(name, info.version, done.previous, "promote", done.entry, done.gate, target.nats_url,
+                   done.preload, done.repaired)
 
 
 def rollback(name: str, *, nats_url: str | None = None, fleet_file: Path | None = None,
              creds: Path | None = None, preload: Preload | None = None) -> Outcome:
     """Move `champion` back to the version that held it before, and publish that live (after a preload that
     goes ahead on timeout)."""
-    current = store.alias_version(name, CHAMPION)
-    if current is None:
-        raise PromotionError(f"{name} has no champion to roll back from (promote a version first)")
-    history = store.champion_history(name)
-    trimmed = list(history)
-    while trimmed and trimmed[-1] == current:
-        trimmed.pop()
-    if not trimmed:
-        raise PromotionError(f"{name}: champion v{current} has no previous champion to roll back to")
-    info = store.get_version(name, trimmed[-1])
+    rollback_target(name, store.alias_version(name, CHAMPION), tuple(store.champion_history(name)))  # fail early
     target = find_fleet(nats_url, fleet_file, creds)
 
-    def move() -> None:
-        store.set_alias(name, CHAMPION, info.version)
-        store.set_champion_history(name, trimmed)
+    def decide(state: Agreement) -> tuple[VersionInfo, tuple[str, ...], GateResult | None]:
+        version, history = rollback_target(name, state.champion, state.history)
+        return store.get_version(name, version), history, None
 
-    def undo() -> None:
-        store.set_alias(name, CHAMPION, current)
-        store.set_champion_history(name, history)
+    done = asyncio.run(_switch(target, name, "rollback", decide, preload or Preload()))
+    return Outcome(name, done.entry.version, done.previous, "rollback", done.entry, None, target.nats_url,
+                   done.preload, done.repaired)
 
-    entry, preloaded = asyncio.run(_publish(target, info, "rollback", move, undo, preload or Preload()))
-    return Outcome(name, info.version, current, "rollback", entry, None, target.nats_url, preloaded)
 
+def check(name: str, *, nats_url: str | None = None, fleet_file: Path | None = None, creds: Path | None = None,
+          repair: bool = False) -> Agreement:
+    """Whether the champion alias, its history and the fleet state of `name` agree; with `repair`, make the fleet
+    state and history follow the alias (under the name's lock) when they do not."""
+    store.versions(name)  # an unknown name is the registry's error, not a disagreement
+    target = find_fleet(nats_url, fleet_file, creds)
+
+    async def run() -> Agreement:
+        nc = await _connect(target.nats_url, target.client)
+        try:
+            kv = await open_fleet_bucket(nc.jetstream())  # type: ignore[attr-defined]
+            state = await _snapshot(kv, name)
+            if state.agrees or not repair:
+                return state
+            try:
+                async with promote_lock(kv, name, "repair"):
+                    state = await _snapshot(kv, name)
+                    return state if state.agrees else await _repair(kv, state)
+            except LockBusy as exc:
+                raise PromotionError(str(exc)) from exc
+        finally:
+            with contextlib.suppress(Exception):
+                await nc.close()  # type: ignore[attr-defined]
+
+    return asyncio.run(run())

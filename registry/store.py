@@ -84,6 +84,11 @@ class VersionInfo:
         return self.tags.get(TAG_BASE)
 
     @property
+    def dataset_digest(self) -> str | None:
+        """The digest of the dataset the version was trained and scored on (its test numbers belong to it)."""
+        return self.tags.get(TAG_DIGEST) or None
+
+    @property
     def task(self) -> str:
         """The task kind that trained this version (versions from before kinds were recorded: retrieval)."""
         return self.tags.get(TAG_TASK) or DEFAULT_TASK

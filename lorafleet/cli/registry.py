@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import typer
 
 if TYPE_CHECKING:
-    from lorafleet.registry.promote import Preload
+    from lorafleet.registry.promote import Agreement, Preload
 
 registry_app = typer.Typer(help="Bundles registered in MLflow: versions, aliases, headline metrics.",
                            no_args_is_help=True)
@@ -55,9 +55,11 @@ def _errors() -> tuple[type[BaseException], ...]:
 @registry_app.command("list")
 def list_cmd(name: str = typer.Argument(None, help="Only this registered model.")) -> None:
     """Registered bundles: each version with its aliases, base model and headline metrics."""
+    from lorafleet.cli import echo_home
     from lorafleet.registry import store
     from lorafleet.tasks import get_task_kind
 
+    echo_home()
     try:
         models = [(name, store.versions(name))] if name else store.list_models()
     except _errors() as exc:
@@ -92,8 +94,10 @@ def promote(
 ) -> None:
     """Quality gate → preload on the base's workers → alias 'champion' → live fleet state: gateways and workers
     switch without a restart, and the first requests to the new version do not wait for a download."""
+    from lorafleet.cli import echo_home
     from lorafleet.registry.promote import promote as do_promote
 
+    echo_home()
     preload = _preload(no_preload, preload_timeout)
     try:
         out = do_promote(name, version, force=force, margin=margin, nats_url=nats_url, fleet_file=fleet,
@@ -101,6 +105,7 @@ def promote(
     except _errors() as exc:
         _fail(str(exc))
         return
+    _said_repaired(out.repaired)
     gate = out.gate
     if gate is not None and gate.ok:
         vs_champ = f", champion {gate.champion_score:.4f}" if gate.champion_score is not None else ""
@@ -131,8 +136,42 @@ def rollback(
     except _errors() as exc:
         _fail(str(exc))
         return
+    _said_repaired(out.repaired)
     typer.echo(f"{name}: champion → v{out.version} (rolled back from v{out.previous}); fleet state published to "
                f"{out.nats_url}")
+
+
+def _said_repaired(found: Agreement | None) -> None:
+    if found is not None:
+        typer.secho(f"repaired first: the registry and the fleet disagreed ({found.describe()}), an earlier promote "
+                    "or rollback stopped half-way; the fleet state followed the champion alias",
+                    fg=typer.colors.YELLOW)
+
+
+@registry_app.command("check")
+def check_cmd(
+    name: str = typer.Argument(..., help="Registered model name (= the served name)."),
+    repair: bool = typer.Option(False, "--repair", help="Make the fleet state and the champion history follow "
+                                "the champion alias when they disagree (under the name's promote lock)."),
+    nats_url: str = typer.Option(None, "--nats-url", help="Cluster to check (default: LORAFLEET_HOME/cluster.json)."),
+    fleet: Path = typer.Option(None, "--fleet", help="Fleet YAML of that cluster."),
+    creds: Path = typer.Option(None, "--creds", help=CREDS_HELP),
+) -> None:
+    """Whether the champion alias, its history and what the fleet serves agree (a promote or rollback that died
+    half-way leaves them apart); exit code 1 when they disagree and --repair was not given."""
+    from lorafleet.registry.promote import check
+
+    try:
+        state = check(name, nats_url=nats_url, fleet_file=fleet, creds=creds, repair=repair)
+    except _errors() as exc:
+        _fail(str(exc))
+        return
+    if state.repaired:
+        typer.echo(f"{name}: repaired; now {state.describe()}")
+    elif state.agrees:
+        typer.echo(f"{name}: agrees ({state.describe()})")
+    else:
+        _fail(f"{name}: the registry and the fleet disagree ({state.describe()}); run with --repair")
 
 
 UI_VIEW_PREFIX = "mlflow.sharedViewState.lorafleet"  # the saved runs views research and train keep
@@ -170,7 +209,9 @@ def ui(
     """Start the MLflow UI on the lorafleet store and print the direct links to each study's runs view and
     each registered model (Ctrl-C stops it)."""
     from lorafleet import settings
+    from lorafleet.cli import echo_home
 
+    echo_home()
     uri = settings.mlflow_tracking_uri()
     argv = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri, "--host", host,
             "--port", str(port), "--workers", "1"]

@@ -15,6 +15,8 @@ from lorafleet.fleet_state import (
     FLEET_CONFIG_KEY,
     KEY_RE,
     FleetStateError,
+    check_exec_consent,
+    ensure_config_bucket,
     ensure_fleet_bucket,
     fetch_fleet_config,
     put_fleet_config,
@@ -45,8 +47,8 @@ async def test_a_published_fleet_file_round_trips_and_is_no_served_name(nats_ser
     nc = await nats.connect(nats_server.url)
     try:
         kv = await ensure_fleet_bucket(nc.jetstream())
-        await put_fleet_config(kv, FLEET)
-        assert await read_entries(kv) == {}  # the watchers' table does not see it
+        await put_fleet_config(await ensure_config_bucket(nc.jetstream()), FLEET)
+        assert await read_entries(kv) == {}  # the watchers' table does not see it: it is in its own bucket
     finally:
         await nc.close()
     got = await asyncio.to_thread(fetch_fleet_config, nats_server.url, {})
@@ -68,3 +70,19 @@ def test_a_worker_without_fleet_or_url_is_told_what_to_pass() -> None:
         out = subprocess.run([sys.executable, "-m", module], capture_output=True, text=True, timeout=120)
         assert out.returncode == 2, out.stderr
         assert "give --fleet FLEET.yaml, or --nats-url" in out.stderr
+
+
+def test_a_fleet_file_from_nats_runs_no_program_without_the_hosts_consent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whoever can write the config bucket must not choose what a joining worker executes."""
+    monkeypatch.delenv("LORAFLEET_TRUST_FLEET_EXEC", raising=False)
+    plain = FleetConfig(bases=[BaseModelSpec(name="minilm", options={"max_loras": 4})])
+    assert check_exec_consent(plain) is plain  # runtime settings that run nothing are fine
+    for options in ({"venv": "/tmp/evil"}, {"extra_args": ["--trust-remote-code"]}):
+        fleet = FleetConfig(bases=[BaseModelSpec(name="qwen", options=options)])
+        with pytest.raises(FleetStateError, match=rf"sets bases\[qwen\]\.options\.{next(iter(options))}.*--fleet.*"
+                                                  "LORAFLEET_TRUST_FLEET_EXEC=1"):
+            check_exec_consent(fleet)
+        assert check_exec_consent(fleet, allow=True) is fleet
+        monkeypatch.setenv("LORAFLEET_TRUST_FLEET_EXEC", "1")
+        assert check_exec_consent(fleet) is fleet
+        monkeypatch.delenv("LORAFLEET_TRUST_FLEET_EXEC")

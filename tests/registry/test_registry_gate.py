@@ -42,3 +42,24 @@ def test_same_version_as_champion_is_not_compared_with_itself() -> None:
 def test_missing_metrics_fail() -> None:
     assert "has no test_ndcg@10 recorded" in check_gate(_v("1", None), None, 0.0).reasons[0]
     assert "has no base_test_ndcg@10 recorded" in check_gate(_v("1", 0.5, base=None), None, 0.0).reasons[0]
+
+
+def _on(info: VersionInfo, digest: str | None) -> VersionInfo:
+    if digest is not None:
+        info.tags["dataset_digest"] = digest
+    return info
+
+
+def test_test_numbers_from_different_datasets_are_not_compared() -> None:
+    """`not behind the champion` compares test scores; from two test sets they say nothing about each other."""
+    gate = check_gate(_on(_v("3", 0.50), "aaaa1111bbbb"), _on(_v("2", 0.60), "cccc2222dddd"), margin=0.0)
+    assert not gate.ok
+    assert gate.reasons == ["v3 was scored on dataset aaaa1111bbbb, the champion v2 on dataset cccc2222dddd: their "
+                            "test_ndcg@10 numbers are not comparable. Re-evaluate the champion on v3's dataset "
+                            "(train it again on that data) or promote with --force"]
+    # A better score on another dataset is not comparable either: the refusal does not depend on the numbers.
+    assert not check_gate(_on(_v("3", 0.70), "aaaa1111bbbb"), _on(_v("2", 0.60), "cccc2222dddd"), margin=0.0).ok
+    # Same dataset: compared as before.
+    assert check_gate(_on(_v("3", 0.61), "aaaa1111bbbb"), _on(_v("2", 0.60), "aaaa1111bbbb"), margin=0.0).ok
+    # A version registered without a digest cannot be checked: compared as before (older registries).
+    assert check_gate(_on(_v("3", 0.61), "aaaa1111bbbb"), _v("2", 0.60), margin=0.0).ok
