@@ -32,8 +32,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+from lorafleet.nats_conf import conf_quote as _q  # the one quoting rule (nats_server.py too)
 from lorafleet.wire import (
     DLQ_PREFIX,
+    FLEET_CONFIG_KV_BUCKET,
     FLEET_KV_BUCKET,
     HEARTBEAT_PREFIX,
     INBOX_PREFIX,
@@ -67,6 +69,8 @@ class Permissions:
 
     publish: tuple[str, ...]
     subscribe: tuple[str, ...]
+    # Carved out of `publish` (nats-server: a deny wins over any allow that also matches).
+    publish_deny: tuple[str, ...] = ()
     # Lets a gateway answer the receipt request of a result it received (once, to that reply subject
     # only) without any static right to publish into workers' inboxes.
     allow_responses: bool = False
@@ -74,7 +78,8 @@ class Permissions:
 
 # --- The permission table ------------------------------------------------------------------------
 # Templates: {me} this credential's public key; {work}, {dlq} the stream names; {kv} the fleet
-# bucket's stream (KV_<bucket>); {bucket} the bucket. No role but admin has STREAM.DELETE/PURGE/UPDATE.
+# bucket's stream (KV_<bucket>); {bucket} the bucket; {cfgkv} the stream of the bucket that holds the fleet
+# file (`lorafleet up` writes it with admin, nobody else may). No role but admin has STREAM.DELETE/PURGE/UPDATE.
 _OWN_INBOX = f"{PRIVATE_INBOX}.{{me}}.>"  # JetStream answers, pulled tasks, receipts, KV watch deliveries
 _QUEUE_INFO = (
     "$JS.API.INFO",
@@ -88,6 +93,13 @@ _KV_READ = (
     "$JS.FC.{kv}.>",  # flow-control answers of that consumer
     "$JS.API.DIRECT.GET.{kv}", "$JS.API.DIRECT.GET.{kv}.>", "$JS.API.STREAM.MSG.GET.{kv}",  # kv.get
 )
+# Reading the fleet file once at start (`--nats-url` without `--fleet`): bucket info and kv.get, no watch.
+_CONFIG_READ = (
+    "$JS.API.STREAM.INFO.{cfgkv}",
+    "$JS.API.DIRECT.GET.{cfgkv}", "$JS.API.DIRECT.GET.{cfgkv}.>", "$JS.API.STREAM.MSG.GET.{cfgkv}",
+)
+# The key where versions before the split kept the fleet file, still read by a worker of such a version.
+_LEGACY_FLEET_FILE = "$KV.{bucket}._fleet"
 
 PERMISSIONS: dict[Role, Permissions] = {
     # Everything, streams and buckets included: `lorafleet up`, migrations, `nats` by hand.
@@ -98,7 +110,11 @@ PERMISSIONS: dict[Role, Permissions] = {
             *_QUEUE_INFO,
             # Self-healing: create the streams and the bucket when missing; never update, purge or delete.
             "$JS.API.STREAM.CREATE.{work}", "$JS.API.STREAM.CREATE.{dlq}", "$JS.API.STREAM.CREATE.{kv}",
+            # Take back the tasks of a request the stream refused part of (by sequence), so none is computed
+            # for nobody; it could already flood the stream, so this adds no new harm.
+            "$JS.API.STREAM.MSG.DELETE.{work}",
             *_KV_READ,
+            *_CONFIG_READ,
             f"{PRESENCE_PREFIX}.gateway.>",  # `lorafleet status` from any host
         ),
         subscribe=(_OWN_INBOX, f"{INBOX_PREFIX}.{{me}}.>", f"{HEARTBEAT_PREFIX}.>"),
@@ -119,17 +135,22 @@ PERMISSIONS: dict[Role, Permissions] = {
             "$JS.API.CONSUMER.MSG.NEXT.{work}.*",  # fetch
             "$JS.ACK.{work}.>",  # ack, nak, term, in-progress
             *_KV_READ,
+            *_CONFIG_READ,
         ),
         subscribe=(_OWN_INBOX,),
     ),
+    # promote/rollback (and a CI job that promotes): served names, staged preloads, promote locks. Never the
+    # fleet file, which names what workers execute: it lives in the config bucket, which only admin writes;
+    # nor the old `_fleet` key a worker of an older version may still read. No STREAM.CREATE: a creator chooses
+    # the stream's config (republish into any subject, the config bucket's included), and promote needs none.
     "control": Permissions(
         publish=(
             "$KV.{bucket}.>",  # put / delete / purge a key (not the bucket)
-            "$JS.API.STREAM.CREATE.{kv}",
             *_QUEUE_INFO,
             *_KV_READ,
         ),
         subscribe=(_OWN_INBOX, f"{HEARTBEAT_PREFIX}.>", f"{PRESENCE_PREFIX}.>"),
+        publish_deny=(_LEGACY_FLEET_FILE,),
     ),
 }
 
@@ -141,10 +162,11 @@ class Layout:
     work_stream: str = "LORAFLEET_WORK"
     dlq_stream: str = "LORAFLEET_DLQ"
     bucket: str = FLEET_KV_BUCKET
+    config_bucket: str = FLEET_CONFIG_KV_BUCKET
 
     def render(self, template: str, public_key: str) -> str:
         return template.format(me=public_key, work=self.work_stream, dlq=self.dlq_stream,
-                               kv=f"KV_{self.bucket}", bucket=self.bucket)
+                               kv=f"KV_{self.bucket}", bucket=self.bucket, cfgkv=f"KV_{self.config_bucket}")
 
 
 def role_of(name: str) -> Role:
@@ -258,11 +280,6 @@ def load_credentials(dir: str | Path) -> CredentialSet:
 
 # --- Server config -------------------------------------------------------------------------------
 
-def _q(s: str) -> str:
-    """A double-quoted string for the nats-server config (quoted, `$JS…` is not read as a variable)."""
-    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
 def _subjects(templates: Iterable[str], layout: Layout, key: str) -> str:
     return "[" + ", ".join(_q(layout.render(t, key)) for t in templates) + "]"
 
@@ -277,7 +294,8 @@ def authorization_config(creds: CredentialSet, layout: Layout = Layout(), *, tim
     users = []
     for c in creds.by_name.values():
         p = PERMISSIONS[c.role]
-        perms = (f"publish: {{ allow: {_subjects(p.publish, layout, c.public_key)} }}, "
+        deny = f", deny: {_subjects(p.publish_deny, layout, c.public_key)}" if p.publish_deny else ""
+        perms = (f"publish: {{ allow: {_subjects(p.publish, layout, c.public_key)}{deny} }}, "
                  f"subscribe: {{ allow: {_subjects(p.subscribe, layout, c.public_key)} }}")
         if p.allow_responses:
             perms += ', allow_responses: { max: 1, expires: "1m" }'

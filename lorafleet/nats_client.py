@@ -6,7 +6,8 @@ to its role's file under LORAFLEET_HOME/creds. `ClientSettings.options()` is wha
 takes (`nats_auth.connect_options`: nkey, private inbox, TLS), `env()` what a child process gets.
 
 A NATS URL may name several servers, comma-separated (a JetStream cluster's nodes): `server_urls` turns it
-into the list `nats.connect(servers=...)` takes, and `RECONNECT_OPTIONS` make a client fail over among them.
+into the list `nats.connect(servers=...)` takes, and `RECONNECT_OPTIONS` make a client fail over among them,
+and notice within seconds (pings) a server that went silent without closing the connection.
 """
 
 from __future__ import annotations
@@ -22,9 +23,24 @@ from lorafleet.nats_auth import ENV_CREDS, ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KEY
 
 _SCHEMES = ("nats", "tls")
 
+# A server that stops answering without closing the connection (its host lost, a network that drops packets,
+# a stopped process) sends no TCP reset: only the client's pings notice. nats-py pings every `ping_interval`
+# seconds and declares the connection stale (then reconnects, to another node if it can) when more than
+# `max_outstanding_pings` pings are unanswered at a tick: within (max + 2) × interval = 8 s here, against
+# nats-py's default 120 s × 2 (minutes during which `is_connected`, /readyz and publishes believe the server).
+PING_INTERVAL_S = 2
+MAX_OUTSTANDING_PINGS = 2
+
+
+def stale_after_s() -> float:
+    """The longest a silent server goes unnoticed: the ping window of `RECONNECT_OPTIONS`."""
+    return float((MAX_OUTSTANDING_PINGS + 2) * PING_INTERVAL_S)
+
+
 # Failover among a cluster's servers: never give up, and try the next server soon. nats-py moves to the next
 # server of its pool at once; the wait applies only to a server it tried within this many seconds.
-RECONNECT_OPTIONS: dict[str, Any] = {"max_reconnect_attempts": -1, "reconnect_time_wait": 0.5}
+RECONNECT_OPTIONS: dict[str, Any] = {"max_reconnect_attempts": -1, "reconnect_time_wait": 0.5,
+                                     "ping_interval": PING_INTERVAL_S, "max_outstanding_pings": MAX_OUTSTANDING_PINGS}
 
 
 class NatsUrlError(ValueError):

@@ -30,6 +30,8 @@ from lorafleet.nats_auth import (
     generate_credentials,
     load_credentials,
 )
+from lorafleet.nats_conf import conf_quote as _q
+from lorafleet.nats_conf import write_private
 
 
 class NatsServerError(RuntimeError):
@@ -69,10 +71,6 @@ def _logged_since(path: Path, offset: int, text: str) -> bool:
             return text in f.read().decode(errors="replace")
     except OSError:
         return False
-
-
-def _q(s: str | Path) -> str:
-    return '"' + str(s).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,10 +200,7 @@ class NatsServer:
         text = server_config(host=self.host, port=self.port, store_dir=self.store_dir.resolve(),
                              creds=self.credentials, tls=self.tls, verify_clients=self.verify_clients,
                              layout=self.layout, routes=self.routes)
-        tmp = self.config_file.with_suffix(".tmp")
-        tmp.write_text(text)
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, self.config_file)
+        write_private(self.config_file, text)  # it holds the route password: 0600 from its first byte
 
     def start(self, timeout: float = 15.0) -> NatsServer:
         self.store_dir.mkdir(parents=True, exist_ok=True)

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import datetime as dt
 import ipaddress
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from lorafleet.nats_auth import TlsFiles
+from lorafleet.nats_conf import write_private
 
 _VALID_DAYS = 825  # the longest lifetime clients such as macOS still accept for a server certificate
 
@@ -25,12 +25,8 @@ class CertificateAuthority:
 
 
 def _write(path: Path, data: bytes, mode: int) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    try:
-        os.write(fd, data)
-    finally:
-        os.close(fd)
-    os.chmod(path, mode)
+    # A new file with `mode` from the start, renamed over any old one (whose mode O_TRUNC would keep).
+    write_private(path, data, mode)
 
 
 def _new_key() -> Any:

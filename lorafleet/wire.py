@@ -30,7 +30,8 @@ DLQ_PREFIX = "lorafleet.dlq"
 HEARTBEAT_PREFIX = "lorafleet.heartbeat"
 PRESENCE_PREFIX = "lorafleet.presence"  # .<role>.<name>: every process says it runs (heartbeats.Presence)
 INBOX_PREFIX = "_INBOX"
-FLEET_KV_BUCKET = "lorafleet_fleet"
+FLEET_KV_BUCKET = "lorafleet_fleet"  # served names, staged preloads, promote locks: control writes it
+FLEET_CONFIG_KV_BUCKET = "lorafleet_config"  # the fleet file for hosts that join: only admin writes it
 
 # Header names.
 HDR_MSG_ID = "Nats-Msg-Id"
@@ -163,7 +164,9 @@ class Task:
     """One input. The gateway publishes one per input; workers batch them.
 
     `op` names the capability asked for; `params` carries its per-task settings (for generate:
-    sampling and length limits), absent for embed.
+    sampling and length limits), absent for embed. `deadline` and `enqueued` are both the gateway's clock:
+    their difference is the task's budget, which a worker on another host can trust without trusting that
+    its own clock agrees with the gateway's (lorafleet/deadlines.py).
     """
 
     id: str  # unique per task, also the Nats-Msg-Id (dedup)
@@ -173,13 +176,16 @@ class Task:
     base: str
     text: str
     tokens: int
-    deadline: float  # unix seconds; past it, nobody waits for the answer
+    deadline: float  # unix seconds on the gateway's clock; past it, nobody waits (workers: deadlines.py)
     reply: str  # core-NATS inbox of the gateway
     adapter: str | None = None  # adapter id (cache key), None for the bare base model
     adapter_uri: str | None = None  # where a worker loads the adapter from
-    enqueued: float = field(default_factory=time.time)
+    enqueued: float = field(default_factory=time.time)  # the gateway's clock at publish (0: not sent)
     op: str = EMBED
     params: dict[str, Any] | None = None
+    # Not on the wire: the deadline on the clock of the worker holding the task, fixed once when it is taken
+    # (deadlines.local_deadline), so a skewed worker clock neither drops live work nor computes dead work.
+    expires: float | None = field(default=None, compare=False, repr=False)
 
     def to_wire(self) -> bytes:
         body: dict[str, Any] = {

@@ -11,6 +11,9 @@ and otherwise answered 429 with `Retry-After`: the time the backlog needs to dra
 request would fit. The rest of the deadline (1 − admit_fraction) absorbs batching, jitter and the
 way back; admitted requests then rarely time out, and workers compute few answers nobody waits for.
 
+A request of several inputs must also fit the stream whole (`fits`): its base's subject holds at most
+`queue.max_msgs` tasks, and a request the stream takes only part of would leave tasks computed for nobody.
+
 An idle queue admits anything (a deadline shorter than one batch is the client's choice, answered
 504 if it passes); so does a base whose rate is not measured yet (no worker has computed for it):
 the stream's own bound (`queue.max_msgs`) still applies. Pure arithmetic, unit-tested directly.
@@ -54,3 +57,8 @@ def judge(backlog: int, n: int, rate_per_s: float | None, deadline_s: float, adm
     drain_s = predicted - budget
     retry = min(max(math.ceil(drain_s), min_retry_after_s), MAX_RETRY_AFTER_S)
     return Refusal(backlog, rate_per_s, predicted, budget, retry)
+
+
+def fits(backlog: int, n: int, max_msgs: int) -> bool:
+    """Whether n more tasks fit a subject bounded by `max_msgs` that holds about `backlog` now."""
+    return backlog + n <= max_msgs

@@ -1,6 +1,14 @@
-"""The gateway's error contract: JSON `{"error": {"code", "message"}}` with the right HTTP status."""
+"""The gateway's error contract: JSON `{"error": {"code", "message"}}` with the right HTTP status.
+
+A failure inside the gateway (a bug, not the client's fault) is answered 500 with a generic message and a
+request id (`internal_error`), never the exception's text: that may name paths, addresses or secrets. The
+traceback goes to the gateway's log under the same id, where an operator finds it.
+"""
 
 from __future__ import annotations
+
+import logging
+import uuid
 
 import orjson
 from starlette.responses import Response
@@ -22,9 +30,27 @@ class ApiError(Exception):
         return error_response(self.status, self.code, self.message, self.headers)
 
 
-def error_response(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> Response:
-    body = orjson.dumps({"error": {"code": code, "message": message}})
-    return Response(body, status_code=status, headers=headers, media_type="application/json")
+def error_response(status: int, code: str, message: str, headers: dict[str, str] | None = None,
+                   request_id: str | None = None) -> Response:
+    error: dict[str, str] = {"code": code, "message": message}
+    if request_id is not None:
+        error["request_id"] = request_id
+        headers = {**(headers or {}), REQUEST_ID_HEADER: request_id}
+    return Response(orjson.dumps({"error": error}), status_code=status, headers=headers,
+                    media_type="application/json")
+
+
+REQUEST_ID_HEADER = "X-Request-Id"
+
+
+def internal_error(log: logging.Logger, what: str) -> Response:
+    """The 500 for an unexpected exception (call it in an `except` block): the traceback is logged under a
+    fresh request id, and the client gets only that id."""
+    request_id = uuid.uuid4().hex
+    log.exception("%s failed (request id %s)", what, request_id)
+    return error_response(500, "internal_error",
+                          f"the gateway failed; quote request id {request_id} to its operator",
+                          request_id=request_id)
 
 
 def clip(text: str, limit: int = 100) -> str:

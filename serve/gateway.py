@@ -19,13 +19,15 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import nats
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
+from nats.js.api import PubAck
 
 from lorafleet import heartbeats, wire
 from lorafleet.config import FleetConfig
@@ -33,7 +35,7 @@ from lorafleet.fleet_state import FleetEntry, FleetWatcher, merge_models
 from lorafleet.nats_auth import explain_connect_error, gateway_inbox_prefix
 from lorafleet.nats_client import RECONNECT_OPTIONS, ClientSettings, server_urls
 from lorafleet.queue import ensure_fleet_streams
-from lorafleet.serve.admission import judge
+from lorafleet.serve.admission import fits, judge
 from lorafleet.serve.auth import ApiKeys, load_api_keys
 from lorafleet.serve.bases import BaseInfo, load_bases
 from lorafleet.serve.completions import ROUTE_OF, GenerationBody
@@ -41,7 +43,7 @@ from lorafleet.serve.errors import ApiError, bad_request, clip, worker_error
 from lorafleet.serve.generation import Generation, Prepared, prepare
 from lorafleet.serve.metrics import GatewayMetrics
 from lorafleet.serve.pending import COMPLETE, DUPLICATE, FILLED, LATE, MALFORMED, TIMEOUT, PendingTable
-from lorafleet.serve.publish import deadline_error, publish_error, publish_task
+from lorafleet.serve.publish import deadline_error, publish_error, publish_task, take_back
 from lorafleet.serve.queue_monitor import QueueMonitor
 from lorafleet.serve.resolver import Resolver, Route, Specialist
 from lorafleet.serve.textstream import TextStream
@@ -49,6 +51,8 @@ from lorafleet.serve.tokens import TokenCounter
 from lorafleet.serve.workers import WorkerRegistry
 
 log = logging.getLogger("lorafleet.serve")
+
+T = TypeVar("T")
 
 _INLINE_TOKENS_CHARS = 32_768  # inputs longer than this in total are counted in a thread, off the event loop
 
@@ -266,10 +270,8 @@ class Gateway:
         counter = self.tokens[route.base]
         if sum(len(t) for t in inputs) <= _INLINE_TOKENS_CHARS:
             counts = counter.count(inputs)
-        else:  # megabytes of text take a second to tokenize: never on the event loop (healthz, other requests)
-            if self._token_pool is None:
-                self._token_pool = ThreadPoolExecutor(1, thread_name_prefix="lorafleet-tokens")
-            counts = await asyncio.get_running_loop().run_in_executor(self._token_pool, counter.count_in_thread, inputs)
+        else:
+            counts = await self._in_token_thread(counter.count_in_thread, inputs)
         limit = self.cfg.max_input_tokens
         for i, n in enumerate(counts):
             if n > limit:
@@ -302,6 +304,7 @@ class Gateway:
         js = self._check_available(route.base)
         n = len(inputs)
         self._admit(route.base, n, deadline_s)
+        self._admit_room(route.base, n)
         request_id = uuid.uuid4().hex
         now = time.time()
         reply = self._inbox + request_id
@@ -326,9 +329,11 @@ class Gateway:
                     *[self._publish(js, subject, p, ids[i], pending, deadline_s) for i, p in enumerate(payloads)],
                     return_exceptions=True,
                 )
-                for out in outcomes:
-                    if isinstance(out, BaseException):
-                        raise self._publish_error(out, deadline_s, pending) from out
+                failed = next((o for o in outcomes if isinstance(o, BaseException)), None)
+                if failed is not None:
+                    # The request fails whole: what went in would be computed for nobody, so take it back.
+                    await take_back(js, [o for o in outcomes if isinstance(o, PubAck)])
+                    raise self._publish_error(failed, deadline_s, pending) from failed
             self.metrics.published(route.base, n)
             value = await pending.future
         finally:
@@ -358,9 +363,14 @@ class Gateway:
         size = len(body.prompt or "") + sum(len(m["content"]) for m in body.messages or ())
         if size <= _INLINE_TOKENS_CHARS:
             return prepare(body, route, prompts)
+        return await self._in_token_thread(prepare, body, route, prompts)
+
+    async def _in_token_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """Megabytes of text take a second to tokenize: in one thread, never on the event loop (healthz and
+        other requests go on meanwhile)."""
         if self._token_pool is None:
             self._token_pool = ThreadPoolExecutor(1, thread_name_prefix="lorafleet-tokens")
-        return await asyncio.get_running_loop().run_in_executor(self._token_pool, prepare, body, route, prompts)
+        return await asyncio.get_running_loop().run_in_executor(self._token_pool, fn, *args)
 
     async def generate(self, route: Route, prepared: Prepared, deadline_s: float) -> Generation:
         """Publish one generate task; the handle awaits its result (or streams its text)."""
@@ -394,6 +404,19 @@ class Gateway:
         if refusal is not None:
             self.metrics.refused(base)
             raise ApiError(429, "overloaded", refusal.message(base, n), {"Retry-After": str(refusal.retry_after_s)})
+
+    def _admit_room(self, base: str, n: int) -> None:
+        """A request of several tasks goes in whole or not at all: 429 before publishing any of it when its base's
+        subject (bounded by queue.max_msgs) has no room for all of them. The backlog is the last read's plus this
+        gateway's own tasks since; what it cannot see (other gateways since the read) the stream refuses, and
+        `take_back` removes the part that went in."""
+        limit = self.fleet.queue.max_msgs
+        backlog = self.monitor.backlog(base)
+        if n > 1 and not fits(backlog, n, limit):
+            self.metrics.refused(base)
+            raise ApiError(429, "queue_full", f"the work queue of base model {base!r} has room for "
+                           f"{max(limit - backlog, 0)} more tasks, not for this request's {n} "
+                           f"(queue.max_msgs={limit}); retry later or send fewer inputs", self._retry_after)
 
     def _publish(self, js: JetStreamContext, subject: str, payload: bytes, task_id: str, pending: Any,
                  deadline_s: float) -> Any:

@@ -4,6 +4,9 @@ A publish waits for JetStream's ack (not for the deadline: a 1 ms deadline still
 failover (a node lost: JetStream re-elects the stream's leader in 4-9 s) it is retried for at most
 PUBLISH_RETRY_S, never past the request's deadline, with the same Nats-Msg-Id: an attempt that was stored
 but whose ack was lost is not stored twice (the stream's duplicate window).
+
+A request of several tasks fails whole: when one publish fails for good, `take_back` deletes the others
+from the stream (by the sequence numbers of their acks) before a worker computes them for nobody.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from collections.abc import Callable
 from nats.errors import ConnectionReconnectingError, OutboundBufferLimitError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
+from nats.js.api import PubAck
 from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableError
 
 from lorafleet import wire
@@ -34,7 +38,7 @@ _TRANSIENT = (asyncio.TimeoutError, NatsTimeoutError, NoStreamResponseError, Ser
 
 
 async def publish_task(js: JetStreamContext, subject: str, payload: bytes, task_id: str, pending: PendingRequest,
-                       deadline_s: float, on_no_stream: Callable[[], None]) -> None:
+                       deadline_s: float, on_no_stream: Callable[[], None]) -> PubAck:
     """Publish one task, retrying through a failover with the same Nats-Msg-Id; `on_no_stream` when no stream
     answers (no leader yet, or the stream is gone: the queue monitor re-creates a lost one)."""
     headers = {wire.HDR_MSG_ID: task_id}
@@ -42,8 +46,7 @@ async def publish_task(js: JetStreamContext, subject: str, payload: bytes, task_
     delay = 0.05
     while True:
         try:
-            await js.publish(subject, payload, timeout=PUBLISH_TIMEOUT_S, headers=headers)
-            return
+            return await js.publish(subject, payload, timeout=PUBLISH_TIMEOUT_S, headers=headers)
         except _TRANSIENT as exc:
             full = isinstance(exc, APIError) and exc.err_code in JS_ERR_STREAM_FULL  # a 503 too: answer 429 now
             if full or pending.future.done() or time.monotonic() + delay >= give_up:
@@ -53,6 +56,21 @@ async def publish_task(js: JetStreamContext, subject: str, payload: bytes, task_
             log.debug("publish of task %s retried after %r", task_id, exc)
         await asyncio.sleep(delay)
         delay = min(delay * 2, 0.5)
+
+
+async def take_back(js: JetStreamContext, acks: list[PubAck]) -> None:
+    """Delete the published tasks of a request that failed. Best effort, bounded in time: a task a worker
+    already pulled is computed anyway (its result finds no pending request and is dropped)."""
+    if not acks:
+        return
+    try:
+        done = await asyncio.wait_for(asyncio.gather(*(js.delete_msg(a.stream, a.seq) for a in acks),
+                                                     return_exceptions=True), PUBLISH_TIMEOUT_S)
+    except (TimeoutError, NatsTimeoutError):
+        done = []
+    kept = len(acks) - sum(1 for d in done if d is True)
+    if kept:
+        log.warning("%d of %d published tasks of a failed request could not be taken back", kept, len(acks))
 
 
 def deadline_error(deadline_s: float, filled: int, n: int) -> ApiError:
@@ -78,6 +96,5 @@ def publish_error(exc: BaseException, deadline_s: float, pending: PendingRequest
     if isinstance(exc, asyncio.TimeoutError | NatsTimeoutError):
         return ApiError(503, "queue_unavailable", "the work stream did not acknowledge in time; retry shortly",
                         retry_after)
-    log.warning("publish failed: %r", exc)
-    return ApiError(503, "queue_unavailable", f"publishing to the work queue failed ({exc!r}); retry shortly",
-                    retry_after)
+    log.warning("publish failed: %r", exc)  # the details stay in the log, not in the client's answer
+    return ApiError(503, "queue_unavailable", "publishing to the work queue failed; retry shortly", retry_after)

@@ -32,7 +32,7 @@ from lorafleet import wire
 from lorafleet.config import FleetConfig
 from lorafleet.nats_client import ClientSettings
 from lorafleet.serve.completions import CHAT, COMPLETION, DONE, Shaper, error_event, parse_generation
-from lorafleet.serve.errors import ApiError, bad_request, error_response
+from lorafleet.serve.errors import ApiError, bad_request, error_response, internal_error
 from lorafleet.serve.gateway import Gateway
 from lorafleet.serve.generation import Generation
 from lorafleet.serve.metrics import CONTENT_TYPE
@@ -79,9 +79,8 @@ class Routes:
             response = Response(body, media_type="application/json")
         except ApiError as exc:
             response = exc.response()
-        except Exception as exc:  # a bug, not the client's fault: still the JSON error shape, and counted
-            log.exception("%s failed", request.url.path)
-            response = error_response(500, "internal_error", f"the gateway failed: {exc!r}")
+        except Exception:  # a bug, not the client's fault: the JSON error shape, a request id, counted
+            response = internal_error(log, request.url.path)
         self._observe("embeddings", model, response.status_code, t0)
         return response
 
@@ -101,9 +100,8 @@ class Routes:
             response = Response(body, media_type=MSGPACK)
         except ApiError as exc:
             response = exc.response()
-        except Exception as exc:  # a bug, not the client's fault: still the JSON error shape, and counted
-            log.exception("%s failed", request.url.path)
-            response = error_response(500, "internal_error", f"the gateway failed: {exc!r}")
+        except Exception:  # a bug, not the client's fault: the JSON error shape, a request id, counted
+            response = internal_error(log, request.url.path)
         self._observe("encode", model, response.status_code, t0)
         return response
 
@@ -141,9 +139,8 @@ class Routes:
                                                  result.completion_tokens), media_type="application/json")
         except ApiError as exc:
             response = exc.response()
-        except Exception as exc:  # a bug, not the client's fault: still the JSON error shape, and counted
-            log.exception("%s failed", request.url.path)
-            response = error_response(500, "internal_error", f"the gateway failed: {exc!r}")
+        except Exception:  # a bug, not the client's fault: the JSON error shape, a request id, counted
+            response = internal_error(log, request.url.path)
         self._observe(name, model, response.status_code, t0)
         return response
 

@@ -43,6 +43,7 @@ from lorafleet.nats_auth import (
 from lorafleet.nats_server import NatsServer
 from lorafleet.nats_tls import issue_certificate, make_self_signed_ca
 from lorafleet.queue import dlq_stream_config, ensure_consumer, ensure_streams, work_stream_config
+from lorafleet.testing import flush_nats
 from lorafleet.wire import (
     FLEET_KV_BUCKET,
     HDR_MSG_ID,
@@ -110,7 +111,7 @@ async def nothing_delivered(sub: Any, receiver: Client, sender: Client) -> None:
     so once the sentinel is in, anything `sender` published before it would have been too."""
     sentinel = receiver.new_inbox()  # under the receiver's private inbox prefix
     probe = await receiver.subscribe(sentinel)
-    await receiver.flush()
+    await flush_nats(receiver)  # nats-py's flush() alone may answer before the server has the SUB
     await sender.publish(sentinel, b"")
     await sender.flush()
     await probe.next_msg(timeout=WAIT_S)
@@ -258,7 +259,7 @@ async def test_worker_can_do_everything_a_worker_does(server: NatsServer, layout
 
     await gateway.subscribe(f"{inbox}.>", cb=on_result)
     heartbeats = await gateway.subscribe(f"{HEARTBEAT_PREFIX}.>")
-    await gateway.flush()  # the server has both subscriptions before anyone publishes
+    await flush_nats(gateway)  # the server has both subscriptions before anyone publishes
 
     # Worker start-up: streams exist (info only), create/bind its durable consumer, watch the fleet bucket.
     await js.stream_info(QUEUE.stream)
@@ -303,7 +304,6 @@ async def test_worker_can_do_everything_a_worker_does(server: NatsServer, layout
     assert w_errors.violations() == [] and gw_errors.violations() == []
 
 
-@pytest.mark.flaky(reruns=2)  # timing against a real nats-server on a shared 2-core box; a real defect fails every run
 async def test_worker_is_refused_everything_else(server: NatsServer, layout: Client, connect: Any) -> None:
     worker, errors = await connect("worker")
     js = worker.jetstream()
@@ -363,7 +363,6 @@ async def test_the_fleet_watcher_runs_on_reader_credentials(server: NatsServer, 
 
 # ---- gateway --------------------------------------------------------------------------------------
 
-@pytest.mark.flaky(reruns=2)  # timing against a real nats-server on a shared 2-core box; a real defect fails every run
 async def test_gateway_publishes_work_and_cannot_answer_read_or_destroy(server: NatsServer, layout: Client,
                                                                         connect: Any) -> None:
     gateway, errors = await connect("gateway")
@@ -386,7 +385,7 @@ async def test_gateway_publishes_work_and_cannot_answer_read_or_destroy(server: 
     # so a gateway credential cannot answer a task.
     theirs = gateway_inbox_prefix("gw-b", server.creds("gateway-b"))
     b_results = await other.subscribe(f"{theirs}.>")
-    await other.flush()
+    await flush_nats(other)
     stolen = await gateway.subscribe(f"{theirs}.>")
     await errors.wait("permissions violation", "subscription", theirs)
     await layout.publish(f"{theirs}.r1", b"b's result")  # as a worker would
@@ -406,6 +405,10 @@ async def test_gateway_publishes_work_and_cannot_answer_read_or_destroy(server: 
     await refused(errors, js.purge_stream(QUEUE.stream), f"STREAM.PURGE.{QUEUE.stream}")
     await refused(errors, js.delete_consumer(QUEUE.stream, consumer_name(BASE)), "CONSUMER.DELETE")
     assert (await layout.jetstream().stream_info(QUEUE.stream)).state.messages == 1
+
+    # It may take back a task it published (a request the stream refused part of), one message by sequence.
+    assert await js.delete_msg(ack.stream, ack.seq)
+    assert (await layout.jetstream().stream_info(QUEUE.stream)).state.messages == 0
 
 
 async def test_gateway_creates_missing_streams_but_cannot_reconfigure_them(server: NatsServer, connect: Any) -> None:
@@ -459,13 +462,12 @@ def test_client_settings_flag_beats_environment_beats_fleet_file(tmp_path: Path,
     assert got.env() == {ENV_CREDS: str(creds_dir / "gateway.nk"), ENV_TLS_CA: "/from/file/ca.pem"}
 
 
-@pytest.mark.flaky(reruns=2)  # timing against a real nats-server on a shared 2-core box; a real defect fails every run
 async def test_forged_answers_fail_without_the_worker_role(server: NatsServer, layout: Client, connect: Any) -> None:
     gateway, _ = await connect("gateway")
     worker, _ = await connect("worker")
     inbox = gateway_inbox_prefix("gw-1", server.creds("gateway"))
     answers = await gateway.subscribe(f"{inbox}.>")
-    await gateway.flush()
+    await flush_nats(gateway)
     await ensure_consumer(worker.jetstream(), BASE, QUEUE)
 
     for role in ("gateway-b", "control"):
@@ -510,7 +512,7 @@ async def test_control_writes_the_fleet_bucket_only_admin_deletes(server: NatsSe
     assert (await kv.get("german-legal")).value == b'{"v": 3}'
     assert await kv.keys() == ["german-legal"]  # `lorafleet status` / promote read the table this way
     heartbeats = await control.subscribe(f"{HEARTBEAT_PREFIX}.>")  # `lorafleet status` reads these
-    await control.flush()  # the server has the subscription before anyone publishes
+    await flush_nats(control)  # the server has the subscription before anyone publishes
     await layout.publish(heartbeat_subject("w1"), b"hb")
     assert (await heartbeats.next_msg(timeout=WAIT_S)).data == b"hb"
     assert (await js.stream_info(QUEUE.stream)).config.name == QUEUE.stream
@@ -527,11 +529,45 @@ async def test_control_writes_the_fleet_bucket_only_admin_deletes(server: NatsSe
     assert errors.violations()  # sanity: the refusals above were real
 
 
+async def test_control_cannot_rewrite_the_fleet_file_workers_trust(server: NatsServer, connect: Any) -> None:
+    """The fleet file in NATS names what a joining worker executes (a runtime's venv, `vllm serve` flags): only
+    admin (`lorafleet up`) writes it. Control, which `promote` and a CI job hold, may not, in any bucket."""
+    from lorafleet.cluster import apply_layout
+    from lorafleet.config import BaseModelSpec, FleetConfig
+    from lorafleet.fleet_state import FLEET_CONFIG_KEY, fetch_fleet_config
+    from lorafleet.wire import FLEET_CONFIG_KV_BUCKET
+
+    fleet = FleetConfig(bases=[BaseModelSpec(name=BASE)])
+    await apply_layout(server.url, server.client_options("admin"), fleet)  # what `lorafleet up` publishes
+    control, errors = await connect("control")
+    js = control.jetstream()
+    forged = b'{"bases": [{"name": "x", "runtime": "vllm", "options": {"venv": "/tmp/evil"}}]}'
+    await refused(errors, (await js.key_value(FLEET_KV_BUCKET)).put(FLEET_CONFIG_KEY, forged),
+                  f"$KV.{FLEET_KV_BUCKET}.{FLEET_CONFIG_KEY}")
+    await refused(errors, js.publish(f"$KV.{FLEET_CONFIG_KV_BUCKET}.{FLEET_CONFIG_KEY}", forged),  # a kv.put
+                  f"$KV.{FLEET_CONFIG_KV_BUCKET}.{FLEET_CONFIG_KEY}")
+    # Nor may it make a bucket of its own choosing: a stream's creator chooses where it republishes.
+    await refused(errors, js.add_stream(name=KV_STREAM, subjects=[f"$KV.{FLEET_KV_BUCKET}.>"]),
+                  f"STREAM.CREATE.{KV_STREAM}")
+    # Promote's own writes still go through: served names, staged preloads, its lock.
+    kv = await js.key_value(FLEET_KV_BUCKET)
+    for key in ("german-legal", "_preload.german-legal", "_lock.german-legal"):
+        await kv.put(key, b"{}")
+    # Workers and gateways joining with only a URL and their credential read admin's file.
+    for role in ("worker", "gateway"):
+        got = await asyncio.to_thread(fetch_fleet_config, server.url, server.client_options(role))
+        assert [b.name for b in got.bases] == [BASE] and not got.bases[0].options, role
+
+
 def test_the_permission_table_keeps_destruction_for_admin() -> None:
+    # The one deletion outside admin: a gateway takes back single tasks of a request the stream refused part of.
+    take_back = {"gateway": "$JS.API.STREAM.MSG.DELETE.{work}"}
     for role, perms in PERMISSIONS.items():
         if role == "admin":
             continue
         for subject in perms.publish:
+            if subject == take_back.get(role):
+                continue
             assert not any(verb in subject for verb in ("DELETE", "PURGE", "UPDATE", "SNAPSHOT", "RESTORE")), subject
             assert subject not in (">", "$JS.API.>", "$JS.>", "$KV.>"), subject
         assert ">" not in perms.subscribe and "_INBOX.>" not in perms.subscribe

@@ -164,13 +164,18 @@ async def test_429_when_the_stream_is_full(nats_server) -> None:
             # A live but stalled worker: real heartbeats on the heartbeat subject, but it never pulls,
             # so the stream (max_msgs=2, discard new) fills up.
             async with scripted_worker(nats_server.url, fleet.queue, consume=False):
+                # Three inputs cannot fit: refused whole, before any of them is published.
                 r = await client.post("/v1/embeddings", json={"model": BASE, "input": ["a", "b", "c"]})
-                _error(r, 429, "queue_full", "maximum messages", "retry later")
+                _error(r, 429, "queue_full", "room for 2", "queue.max_msgs=2", "retry later")
                 assert r.headers["Retry-After"] == "1"
-                # The stream holds 2 now: a single input (the one-publish path) is refused too.
+                # Two single inputs fill the stream; a third (the one-publish path) is refused by the stream.
+                waiting = [asyncio.create_task(client.post(f"/v1/encode/{BASE}", content=msgpack.packb(
+                    {"inputs": [x], "deadline_ms": 1500}))) for x in ("a", "b")]
+                await until(lambda: gw.gateway.pending.tasks_in_flight() == 2)
                 r = await client.post(f"/v1/encode/{BASE}", content=msgpack.packb({"inputs": ["d"]}))
-                _error(r, 429, "queue_full")
+                _error(r, 429, "queue_full", "maximum messages")
                 assert r.headers["Retry-After"] == "1"
+                assert [w.status_code for w in await asyncio.gather(*waiting)] == [504, 504]
                 assert gw.gateway.pending.tasks_in_flight() == 0
 
 

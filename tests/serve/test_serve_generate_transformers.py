@@ -44,6 +44,7 @@ def cluster(tiny: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> 
     cfg.bases.append(BaseModelSpec(name=SMOL, source=SMOL, runtime="transformers", options={"max_model_len": 1024}))
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("LORAFLEET_HOME", str(home))  # the converted SmolLM2 is cached there, for every part
+        mp.setenv("LORAFLEET_CLOCK_SKEW_S", "0")  # one host, one clock: a deadline is a deadline, to the ms
         with LocalCluster(cfg, workers=1, port=0, home=home) as c:
             yield c
 
