@@ -56,7 +56,7 @@ def run_arm(arm: str, quick: bool, work: Path, threads: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         out["baselines"] = generation_baselines(cfg, dataset).metrics
         out["baselines_s"] = round(time.perf_counter() - t0, 1)
-        result = train_generation(cfg, dataset, work / "lora")
+        result = train_generation(cfg, dataset, work / "lora", evaluate_test=True)  # compared with the full arm on test
     else:
         steps = int(json.loads((work / "lora.json").read_text())["metrics"]["train_steps"])
         result = train_full(cfg, dataset, work / "full", learning_rate=FULL_LR, max_steps=steps)

@@ -12,8 +12,8 @@ Life of a kind in a research run (the order calls happen in):
     cfg = kind.parse_config(raw)                 # the `train:` section, validated by kind.config_model
     dataset = kind.build_dataset(cfg)            # once per data configuration (cached by dataset_key)
     baseline = kind.baselines(cfg, dataset)      # base_* and <baseline>_* on dev and test, once per study
-    outcome = kind.train(cfg, dataset, out_dir, on_epoch=cb)   # per trial; cb(epoch, dev metrics) may raise
-    test = kind.evaluate(cfg, dataset, outcome.adapter_dir, "test")  # only for the winner
+    outcome = kind.train(cfg, dataset, out_dir, on_epoch=cb)   # per trial; dev only; cb(epoch, dev) may raise
+    test = kind.evaluate(cfg, dataset, outcome.adapter_dir, "test")  # once per study, for the winner
 
 Everything runs in the caller's process and thread; `on_epoch` may raise (pruning, time limit) and
 the kind must let that exception through. Metric names are flat: `{split}_{metric}` from the kind,
@@ -177,7 +177,8 @@ class TaskDataset(Protocol):
 
 @dataclass
 class TrainResult:
-    """One training run of a kind: the adapter and flat metrics (`dev_*` of the last epoch, `test_*` if scored)."""
+    """One training run of a kind: the adapter and flat metrics (`dev_*` of the last epoch; `test_*` only from a
+    standalone `run`, never from `train`)."""
 
     adapter_dir: Path
     metrics: dict[str, float]
@@ -219,7 +220,8 @@ class TaskKind(ABC):
 
     @abstractmethod
     def train(self, cfg: Any, dataset: Any, out_dir: Path, *, on_epoch: EpochCallback | None = None
-              ) -> TrainResult: ...
+              ) -> TrainResult:
+        """Train one adapter and score it on dev only: test is for the winner, through `evaluate`."""
 
     @abstractmethod
     def evaluate(self, cfg: Any, dataset: Any, adapter_dir: Path, split: str) -> dict[str, float]:

@@ -1,5 +1,10 @@
 """The end of a research run: pick the winner on dev, test it and the baseline, re-train it with a
 second seed, decide whether it is a candidate, and write the summary to the MLflow parent run.
+
+Honest evaluation: trials see dev only; test is scored once per study, for the winner (and its second
+seed), through the kind's `evaluate`. That look is recorded in the study (keyed by study id and dataset
+digest) and on the parent run, and a later finalisation (`research resume` with more trials) reuses it:
+it never evaluates test again, even when another trial has since taken the lead on dev.
 """
 
 from __future__ import annotations
@@ -27,21 +32,47 @@ from .study import (
     decode_params,
     jsonable,
     study_attr,
+    study_uid,
+    tested_key,
+    tested_records,
     trial_counts,
     trials_table,
     winner_of,
 )
 from .tracking import PARENT_TAG, TAG_DESCRIPTION, TAG_ROLE
 
+TAG_TESTED = "lorafleet.test_evaluated"  # on the parent run: which trial test was evaluated for, once
+
 ATTR_RESEED = "reseed"
 
 
-def _evaluate_test(session: Session, train_cfg: Any, adapter_dir: str, stash: Path | None = None
-                   ) -> dict[str, float]:
-    if stash is not None and stash.is_file():  # written by the trial itself, read only for the winner
-        return {k: float(v) for k, v in json.loads(stash.read_text()).items()}
+def _evaluate_test(session: Session, train_cfg: Any, adapter_dir: str) -> tuple[dict[str, float], str]:
+    """The adapter's metrics on test, through the kind (the only way research reads test), and the digest of
+    the dataset they were measured on."""
     dataset = session.datasets.get(train_cfg)
-    return {k: float(v) for k, v in session.kind.evaluate(train_cfg, dataset, Path(adapter_dir), "test").items()}
+    metrics = session.kind.evaluate(train_cfg, dataset, Path(adapter_dir), "test")
+    return {k: float(v) for k, v in metrics.items()}, str(getattr(dataset, "digest", "") or "")
+
+
+def _tested(session: Session) -> dict[str, Any] | None:
+    """The study's one look at test, if it had it (the earliest record, should there ever be two)."""
+    records = tested_records(session.study).values()
+    return min(records, key=lambda r: r.get("at", 0.0)) if records else None
+
+
+def _test_winner(session: Session, winner: FrozenTrial, train_cfg: Any, adapter_dir: str, progress: Progress
+                 ) -> dict[str, float]:
+    """Score the winner on test, once per study: record it (study attr keyed by study id and dataset digest,
+    tag on the parent run) before anything shows the numbers, so that no later finalisation looks again."""
+    progress.note(f"[research] evaluating trial #{winner.number} on test (once for this study)")
+    test, digest = _evaluate_test(session, train_cfg, adapter_dir)
+    uid = study_uid(session.study)
+    session.study.set_user_attr(tested_key(uid, digest), {
+        "trial": winner.number, "study_uid": uid, "dataset_digest": digest,
+        "trained_on": winner.user_attrs.get("dataset_digest") or "", "metrics": test, "at": time.time()})
+    session.tracker.set_tags(session.parent_run_id, {
+        TAG_TESTED: f"once, for trial #{winner.number} (study {uid}, dataset {digest})"})
+    return test
 
 
 def _reseed(session: Session, winner_number: int, train_cfg: Any, progress: Progress) -> dict[str, float]:
@@ -66,9 +97,8 @@ def _reseed(session: Session, winner_number: int, train_cfg: Any, progress: Prog
             seed_cfg, session.datasets.get(seed_cfg), session.dir / f"winner-{winner_number:03d}-seed{seed_cfg.seed}",
             on_epoch=lambda epoch, m: tracker.log_metrics(run_id, {objective: m[objective]}, step=epoch),
         )
-        metrics = {k: float(v) for k, v in metrics_of(result).items() if k.startswith(("dev_", "test_"))}
-        if not any(k.startswith("test_") for k in metrics):
-            metrics.update(_evaluate_test(session, seed_cfg, str(result.adapter_dir)))
+        metrics = {k: float(v) for k, v in metrics_of(result).items() if k.startswith("dev_")}
+        metrics.update(_evaluate_test(session, seed_cfg, str(result.adapter_dir))[0])
     except BaseException as exc:
         with contextlib.suppress(Exception):
             tracker.finish_trial(run_id, "failed", f"{type(exc).__name__}: {exc}")
@@ -106,21 +136,33 @@ def finalize(session: Session, result: ResearchResult, progress: Progress) -> Re
     result.baseline = baseline
     result.trials = trial_counts(study)
     winner = winner_of(study)
+    tested = _tested(session)
+    note = ""
+    if winner is not None and tested is not None and tested.get("trial") != winner.number:
+        # Test was looked at once, for the winner of its time; a later dev winner is not tested (that would be a
+        # second look, picking among test results). The verdict stands; a fresh one needs fresh data.
+        note = (f"trial #{winner.number} now leads on dev, but this study's test split was already used, for "
+                f"trial #{tested['trial']}, so that trial stays the study's winner and verdict")
+        winner = next(t for t in study.get_trials(deepcopy=False) if t.number == tested["trial"])
     if winner is None:
         result.verdict = "no trial completed, so there is no winner and no candidate"
     else:
         params = decode_params(cfg.space, winner.params)
         train_cfg = apply_params(session.loaded.train_raw, params, session.kind.config_model)
         adapter_dir, result.winner_adapter_uri = winner_adapter(session, winner)
-        progress.note(f"[research] winner on dev: trial #{winner.number} ({objective}={winner.value:.4f}); "
-                      "evaluating it on test")
+        progress.note(f"[research] winner on dev: trial #{winner.number} ({objective}={winner.value:.4f})")
         dev = {k: float(v) for k, v in (winner.user_attrs.get("dev_metrics") or {}).items()}
         result.winner_trial, result.winner_params = winner.number, params
         result.winner_config = train_cfg.model_dump(mode="json")
         result.winner_adapter_dir = adapter_dir
         result.dataset_digest = winner.user_attrs.get("dataset_digest") or None
-        stash = session.dir / f"trial-{winner.number:03d}" / "test_metrics.json"
-        result.winner_metrics = {**dev, **_evaluate_test(session, train_cfg, adapter_dir, stash)}
+        if tested is not None:
+            progress.note(f"[research] test was evaluated for trial #{tested['trial']} already (dataset "
+                          f"{str(tested.get('dataset_digest', ''))[:12]}); reusing that result, not looking again")
+            test = {k: float(v) for k, v in tested["metrics"].items()}
+        else:
+            test = _test_winner(session, winner, train_cfg, adapter_dir, progress)
+        result.winner_metrics = {**dev, **test}
         if cfg.reseed:
             result.reseed_metrics = _reseed(session, winner.number, train_cfg, progress)
             for key in (objective, test_obj):
@@ -128,6 +170,9 @@ def finalize(session: Session, result: ResearchResult, progress: Progress) -> Re
                     result.spread[key] = abs(result.winner_metrics[key] - result.reseed_metrics[key])
         result.candidate, result.verdict = _verdict(cfg.min_margin, objective, session.kind.metrics.direction,
                                                     baseline, result)
+        if note:
+            progress.note(f"[research] {note}")
+            result.verdict += f" ({note})"
     _write_summary(session, result)
     study.set_user_attr(ATTR_FINALIZED, {"trials": len(study.get_trials(deepcopy=False)), "at": time.time(),
                                          "candidate": result.candidate, "verdict": result.verdict,

@@ -7,7 +7,6 @@ a pruned, failed or timed-out trial ends its MLflow run with the matching state 
 from __future__ import annotations
 
 import contextlib
-import json
 import signal
 import threading
 import time
@@ -161,7 +160,8 @@ class TrialObjective:
             raise KeyError(f"train_adapter returned no {objective!r} (got {sorted(metrics)})")
         value = float(metrics[objective])
         # The final dev metrics are the last epoch's, already logged by on_epoch at that step; what the kind
-        # measured beside them (training cost, sizes) goes to the table, test numbers never (winner only).
+        # measured beside them (training cost, sizes) goes to the table. A trial never sees test: the kind's
+        # `train` scores dev only, and test numbers a kind returns anyway are dropped, unread (winner only).
         train_cost = dict(getattr(result, "cost", None) or {})
         extra = {k: v for k, v in metrics.items() if not k.startswith(("test_", "dev_"))}
         extra.update(prefixed(train_cost, "train_cost"))
@@ -169,11 +169,6 @@ class TrialObjective:
             extra["cost_usd"] = train_cost["usd"]
         cost = record_cost(extra)
         adapter_dir = str(getattr(result, "adapter_dir", out_dir))
-        # train/ also scores test after each training; keep it beside the adapter, out of Optuna and MLflow,
-        # so that only the winner's test numbers are ever read (saves re-encoding the corpus for it).
-        test = {k: float(v) for k, v in metrics.items() if k.startswith("test_")}
-        if test:
-            (out_dir / "test_metrics.json").write_text(json.dumps(test))
         # The adapter goes to the trial's MLflow run too: the process that picks the winner may run on another
         # machine (a shared study on PostgreSQL) and takes it from there, not from this machine's disk.
         self.tracker.log_artifacts(run_id, Path(adapter_dir), ADAPTER_ARTIFACT)

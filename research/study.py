@@ -13,6 +13,7 @@ import json
 import os
 import socket
 import time
+import uuid
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -42,6 +43,8 @@ ATTR_BASELINE = "baseline"
 ATTR_FINALIZE_CLAIM = "finalize_claim"
 ATTR_FINALIZED = "finalized"
 ATTR_ADAPTER_ARTIFACT = "adapter_artifact"  # trial attr: the artifact path of its adapter in its MLflow run
+ATTR_UID = "uid"  # a random id made with the study: a study deleted and made again under its name gets another
+TEST_RECORD = "test:"  # study attrs `test:{uid}:{dataset digest}`: the one look at test (see finalize)
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
@@ -179,6 +182,7 @@ def open_study(name: str, storage: optuna.storages.BaseStorage, cfg: ResearchCon
     else:
         try:
             study = optuna.create_study(study_name=name, storage=storage, direction=direction, pruner=pruner)
+            study.set_user_attr(ATTR_UID, uuid.uuid4().hex)  # before the fingerprint others wait for
             study.set_user_attr(ATTR_CONFIG, snapshot)
             study.set_user_attr(ATTR_FINGERPRINT, fingerprint)
             created = True
@@ -228,6 +232,24 @@ def _wait_for_attr(study: optuna.Study, key: str, timeout_s: float) -> Any:
 def study_attr(study: optuna.Study, key: str) -> Any:
     # Read fresh from storage: other processes may have written since this study object was loaded.
     return study._storage.get_study_user_attrs(study._study_id).get(key)
+
+
+def study_uid(study: optuna.Study) -> str:
+    """The study's id: made with it, or for a study from before ids its row number in the storage."""
+    return str(study_attr(study, ATTR_UID) or f"optuna-{study._study_id}")
+
+
+def tested_key(uid: str, digest: str) -> str:
+    """The study attr recording the one evaluation on test: keyed by study id and dataset digest, so a record
+    never speaks for another study of the same name or for numbers measured on other data."""
+    return f"{TEST_RECORD}{uid}:{digest}"
+
+
+def tested_records(study: optuna.Study) -> dict[str, dict[str, Any]]:
+    """This study's records of its look at test (at most one is ever written), by key."""
+    prefix = TEST_RECORD + study_uid(study) + ":"
+    attrs = study._storage.get_study_user_attrs(study._study_id)
+    return {k: v for k, v in attrs.items() if k.startswith(prefix) and isinstance(v, dict)}
 
 
 def retry_trial(study: optuna.Study, trial: FrozenTrial, max_retries: int) -> bool:

@@ -274,15 +274,16 @@ def train_generation(
     *,
     on_epoch: EpochCallback | None = None,
     keep_model: bool = False,
-    evaluate_test: bool = True,
+    evaluate_test: bool = False,
 ) -> TrainResult:
-    """Train a LoRA adapter on `dataset`'s training split; generate on dev after each epoch, on test at the end.
+    """Train a LoRA adapter on `dataset`'s training split; generate on dev after each epoch.
 
     `on_epoch(epoch, dev_metrics)` is called after every epoch's dev evaluation (epochs count from 1);
     whatever it raises (e.g. `optuna.TrialPruned`) propagates out of this function, and no adapter is
     saved. The adapter lands in `out_dir/adapter`. Costs cover this function only. `keep_model` puts the
-    trained model and its tokenizer into `result.extras` ("model", "tokenizer"); predictions on dev and
-    test are in `result.extras["predictions"]`.
+    trained model and its tokenizer into `result.extras` ("model", "tokenizer"); predictions on dev (and
+    test) are in `result.extras["predictions"]`. Test is decoded only with `evaluate_test` (a standalone run
+    or the bench): research trials see dev only, and research scores test once, for its winner.
     """
     meter = CostMeter(cfg.price_per_hour_usd)
     out_dir = Path(out_dir)

@@ -200,7 +200,8 @@ def run_generation_train(cfg: GenerationTrainConfig, out_dir: Path | None = None
             if run is not None:
                 tracking.log_epoch(epoch, dev, TASK)
 
-        result = train_generation(cfg, dataset, out, on_epoch=on_epoch)
+        # A standalone run is a single model, so it reports test; research trials never do (winner only).
+        result = train_generation(cfg, dataset, out, on_epoch=on_epoch, evaluate_test=True)
         stages["train_and_eval_s"] = result.cost["wall_s"]
         result.metrics.update(baselines.metrics)
         for split in ("dev", "test"):

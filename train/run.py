@@ -129,7 +129,8 @@ def run_train(
             if run is not None:
                 tracking.log_epoch(epoch, dev, TASK)
 
-        result = train_adapter(cfg, dataset, out, on_epoch=on_epoch)
+        # A standalone run is a single model, so it reports test; research trials never do (winner only).
+        result = train_adapter(cfg, dataset, out, on_epoch=on_epoch, evaluate_test=True)
         result.metrics.update(base)
         result.metrics["test_ndcg@10_lift"] = relative_lift(result.metrics, "test")
         result.metrics["dev_ndcg@10_lift"] = relative_lift(result.metrics, "dev")

@@ -86,7 +86,7 @@ def test_training_lowers_loss_and_adapter_reloads(tiny_llama: Path, dataset, tmp
 
     calls: list[tuple[int, dict[str, float]]] = []
     result = train_generation(cfg, dataset, tmp_path / "run", on_epoch=lambda e, m: calls.append((e, m)),
-                              keep_model=True)
+                              keep_model=True, evaluate_test=True)
     assert [e for e, _ in calls] == [1, 2, 3]
     wanted = {f"dev_{k}" for k in ("exact_match", "chrf", "rouge_l", "pred_words")}
     assert all(set(m) == wanted for _, m in calls)
@@ -121,6 +121,15 @@ def test_training_lowers_loss_and_adapter_reloads(tiny_llama: Path, dataset, tmp
     torch.testing.assert_close(_logits(reloaded, tok2, texts), want, rtol=0, atol=1e-5)
     fresh, _ = load_causal_base(cfg.base_model)
     assert (_logits(fresh, tok2, texts) - want).abs().max() > 1e-3  # the adapter really changes the model
+
+
+def test_kind_train_decodes_dev_only(tiny_llama: Path, dataset, tmp_path: Path) -> None:
+    """What a research trial runs: dev is decoded, test never (greedy decoding of test is for the winner)."""
+    from lorafleet.tasks import get_task_kind
+
+    result = get_task_kind("generation").train(_cfg(tiny_llama, epochs=1), dataset, tmp_path / "run")
+    assert "dev_chrf" in result.metrics and not any(k.startswith("test_") for k in result.metrics)
+    assert set(result.extras["predictions"]) == {"dev"}
 
 
 def test_loss_masks_non_assistant_tokens(tiny_llama: Path, dataset, tmp_path: Path) -> None:

@@ -49,7 +49,7 @@ def test_training_lowers_loss_and_adapter_reloads(statute_model: Path, tmp_path:
     dataset = build_dataset(cfg)
     calls: list[tuple[int, dict[str, float]]] = []
     result = train_adapter(cfg, dataset, tmp_path / "run", on_epoch=lambda e, m: calls.append((e, m)),
-                           keep_model=True)
+                           keep_model=True, evaluate_test=True)
 
     assert [e for e, _ in calls] == list(range(1, 9))
     wanted = {f"dev_{k}" for k in METRICS} | {"dev_heading_ndcg@10", "dev_citation_ndcg@10"}
@@ -94,6 +94,8 @@ def test_hard_negatives_and_foreign_base_path(statute_model: Path, tmp_path: Pat
 
     result = train_adapter(cfg, dataset, tmp_path / "run", keep_model=True)
     assert result.metrics["train_negatives"] == 2
+    # By default (research trials, through the kind) training scores dev only: test is for a winner.
+    assert "dev_ndcg@10" in result.metrics and not any(k.startswith("test_") for k in result.metrics)
     moved = tmp_path / "moved-adapter"
     moved.mkdir()
     for f in result.adapter_dir.iterdir():
