@@ -5,7 +5,9 @@ then the final result with the whole text. What reaches the client is tracked as
 
 - Chunks of the current delivery extend the text in order; a missing sequence number (a chunk lost
   while the gateway reconnected) stops the chunk path for that delivery, and the final result, which
-  carries the whole text, fills in the rest.
+  carries the whole text, fills in the rest. A worker publishes a task's chunks in order, check-ins
+  included (sidecar/streaming.py), and core NATS keeps one connection's order, so a chunk out of
+  turn means one was lost, never that one overtook another.
 - A worker that dies mid-stream leaves its task unacked; JetStream delivers it again and the new
   worker starts from the beginning. Its text is compared with what the client already has: while it
   repeats that prefix nothing is sent, past it only the new part is. With greedy or seeded decoding

@@ -12,6 +12,8 @@ text is streamed back from here (streaming.py). Per-task work here is kept small
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import logging
 import os
 import queue
@@ -36,12 +38,13 @@ from lorafleet.sidecar.engine_adapters import EngineAdapters
 from lorafleet.sidecar.engine_lane import UriFor
 from lorafleet.sidecar.engines import EngineLanes
 from lorafleet.sidecar.intake import Intake
+from lorafleet.sidecar.keepalive import ComputeWatch, KeepAlive, default_stuck_after
 from lorafleet.sidecar.owners import OwnerTracker
 from lorafleet.sidecar.preload import preload_engine
 from lorafleet.sidecar.pull import IDLE_POLL_S
 from lorafleet.sidecar.runtime import EngineRuntime
 from lorafleet.sidecar.scheduler import PullScheduler
-from lorafleet.sidecar.settle import HeldTable, Outcome, Settler, num_delivered
+from lorafleet.sidecar.settle import HeldTable, Outcome, Settlement, Settler, num_delivered
 from lorafleet.sidecar.streaming import TextStreams
 from lorafleet.wire import GENERATE, Heartbeat, consumer_name, heartbeat_subject
 
@@ -90,6 +93,12 @@ class NatsSide:
         self.streams: TextStreams | None = None
         ack_wait = consumer_config(bases[0], fleet.queue).ack_wait or fleet.queue.ack_wait_s
         self._progress_every = max(ack_wait / 3.0, 0.05)  # well below ack_wait, so nothing is redelivered
+        # Held tasks are kept alive within bounds (keepalive.py): their deadline, and a compute thread that
+        # shows progress within `stuck_after_s`.
+        self.compute = ComputeWatch()
+        self.stuck_after_s = default_stuck_after(ack_wait)
+        # Completions posted to the loop: kept until done, so a failure is logged, never lost with its future.
+        self._completing: set[concurrent.futures.Future[None]] = set()
 
     @property
     def tasks_done(self) -> int:
@@ -128,11 +137,18 @@ class NatsSide:
 
     def text_out(self, task_id: str) -> Any:
         """The stream of a generating task of a batch in the main thread's hands (its TextOut), or None."""
+        self.compute.alive()  # a generate batch starts
         streams = self.streams
         return streams.get(task_id) if streams is not None else None
 
+    def resume(self, batch: Batch) -> bool:
+        """Rows that waited for an adapter download (any thread): back to the main thread once a slot is free."""
+        scheduler = self._scheduler
+        return scheduler is not None and self._post(scheduler.resume, batch)
+
     def post(self, fn: Callable[..., Any], *args: Any) -> bool:
-        """Run `fn(*args)` on the loop soon (from the main thread)."""
+        """Run `fn(*args)` on the loop soon (from the main thread: a streamed delta, a sign of progress)."""
+        self.compute.alive()
         return self._post(fn, *args)
 
     def request_stop(self) -> None:
@@ -142,13 +158,25 @@ class NatsSide:
     def complete(self, batch: Batch, outcomes: Sequence[Outcome], started: float,
                  encoded: tuple[int, float] | None = None) -> None:
         """Post a computed batch back; `encoded` is (items, seconds) of its compute, when it ran whole."""
+        self.compute.alive()
         loop = self.loop
         if loop is None or loop.is_closed():
             return
         try:
-            asyncio.run_coroutine_threadsafe(self._complete(batch, outcomes, started, encoded), loop)
+            future = asyncio.run_coroutine_threadsafe(self._complete(batch, outcomes, started, encoded), loop)
         except RuntimeError:
             log.warning("loop closed; results of a batch of %d dropped (the tasks were given back)", len(batch))
+            return
+        self._completing.add(future)
+        future.add_done_callback(functools.partial(self._completed, len(batch)))
+
+    def _completed(self, n: int, future: concurrent.futures.Future[None]) -> None:
+        """Every posted completion ends here (loop thread, or the main thread when already done)."""
+        self._completing.discard(future)
+        if future.cancelled():  # the loop stopped first: the tasks stay unacked and are delivered again
+            log.warning("results of a batch of %d dropped: the loop stopped before settling them", n)
+        elif (exc := future.exception()) is not None:  # _complete settles its own failures; this is a last word
+            log.error("completing a batch of %d failed: %r", n, exc, exc_info=exc)
 
     # ---- the loop thread ----------------------------------------------------------------------
     def _thread_main(self) -> None:
@@ -215,7 +243,7 @@ class NatsSide:
                                self.streams, lambda: self._stopping, self._keeper.pull_failed, self._fatal)
             await self._publish_heartbeat(0.0)  # the launcher waits for this one to call the worker ready
             log.info("serving %s", ", ".join(self.bases))
-            beacon = Beacon(self.nc, "worker", self.worker_id, lambda: "draining" if self._stopping else "serving")
+            beacon = Beacon(self.nc, "worker", self.worker_id, self._presence_state)
             beacon.start()  # `lorafleet status` from any host; cancelled with the keep-alives below
             background = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._progress_loop()),
                           asyncio.create_task(self._keeper.run()), asyncio.create_task(self.streams.watch())]
@@ -303,37 +331,59 @@ class NatsSide:
                 self.ready.get_nowait()
             except queue.Empty:
                 break
-        await self._settler.settle_many([(h.msg, "", Situation.SHUTDOWN, None,
-                                          "worker shut down before computing the task", None, time.time())
+        await self._settler.settle_many([Settlement(h.msg, "", Situation.SHUTDOWN,
+                                                    reason="worker shut down before computing the task")
                                          for h in self.held.values()])
 
     async def _complete(self, batch: Batch, outcomes: Sequence[Outcome], started: float,
                         encoded: tuple[int, float] | None) -> None:
+        """Settle a batch the main thread computed; should that fail, its tasks still held are given back."""
         self._slots.release()
+        self.compute.returned(batch)
         scheduler = self._scheduler
-        if encoded is not None and scheduler is not None and batch.base in scheduler.batch_times:
-            scheduler.batch_times[batch.base].observe(*encoded)
-        assert self._settler is not None
-        if batch.op == GENERATE and self.streams is not None:
-            for item, outcome in zip(batch.items, outcomes, strict=True):
-                out = self.streams.get(item.task.id)
-                if out is not None:
-                    chunks = await out.flushed()  # every chunk before the final result
-                    if outcome.text is not None:
-                        outcome.text.chunks = chunks
-                    self.streams.close(out)
         try:
+            if encoded is not None and scheduler is not None and batch.base in scheduler.batch_times:
+                scheduler.batch_times[batch.base].observe(*encoded)
+            assert self._settler is not None
+            if batch.op == GENERATE and self.streams is not None:
+                for item, outcome in zip(batch.items, outcomes, strict=True):
+                    out = self.streams.get(item.task.id)
+                    if out is not None:
+                        try:
+                            chunks = await out.flushed()  # every chunk before the final result
+                            if outcome.text is not None:
+                                outcome.text.chunks = chunks
+                        finally:
+                            self.streams.close(out)
             await self._settler.complete(batch, outcomes, started)
+        except Exception as exc:
+            log.error("settling a batch of %d (%s) failed: %r; its tasks go back to the queue", len(batch),
+                      batch.base, exc, exc_info=True)
+            await self._give_back(batch)
         finally:
             if scheduler is not None and batch.base in scheduler.service_rates:
                 scheduler.service_rates[batch.base].end(sum(o.situation is Situation.OK for o in outcomes))
-        self.batches_done += 1
+            self.batches_done += 1
+
+    async def _give_back(self, batch: Batch) -> None:
+        """Nak the batch's tasks this worker still holds (the settler may be what failed: straight to the msgs)."""
+        held = {id(h.msg) for h in self.held.values()}
+        for item in batch.items:
+            if id(item.msg) not in held:
+                continue  # settled before the failure
+            try:
+                await item.msg.nak(delay=self.fleet.queue.nak_delay_s)
+            except Exception as exc:  # not even that: JetStream delivers it again after ack_wait
+                log.warning("giving back task %s failed: %r", item.task.id, exc)
+            finally:
+                self.held.discard(item.msg)
 
     def _handoff(self, batch: Batch) -> None:
         """A batch goes to the main thread; a generate batch's tasks get their streams first."""
         if batch.op == GENERATE and self.streams is not None:
             for item in batch.items:
                 self.streams.open(item.task, num_delivered(item.msg), bool(item.params and item.params.stream))
+        self.compute.handed(batch)
         self.ready.put_nowait(batch)
 
     def _staged(self, entry: FleetEntry) -> None:
@@ -352,17 +402,14 @@ class NatsSide:
 
     # ---- keep-alives --------------------------------------------------------------------------
     async def _progress_loop(self) -> None:
-        every = self._progress_every
-        while True:
-            await asyncio.sleep(every / 2)
-            now = time.monotonic()
-            for held in self.held.values():
-                if now - held.last_progress >= every:
-                    held.last_progress = now
-                    try:
-                        await held.msg.in_progress()
-                    except Exception as exc:
-                        log.debug("in_progress failed: %s", exc)
+        """in_progress for held tasks, never past their deadline nor while the compute thread is stuck."""
+        await KeepAlive(self.held, self._progress_every, self.compute, lambda: self.stuck_after_s).run()
+
+    def _compute_stuck(self) -> bool:
+        return self.compute.check(time.monotonic(), self.stuck_after_s)
+
+    def _presence_state(self) -> str:
+        return "draining" if self._stopping else "stuck" if self._compute_stuck() else "serving"
 
     async def _heartbeat_loop(self) -> None:
         every = self.fleet.worker.heartbeat_s
@@ -379,6 +426,8 @@ class NatsSide:
         # a gateway counts a base as served, and itself as ready, by these.
         bases = self._keeper.healthy_bases() if self._keeper is not None else list(self.bases)
         bases = [b for b in bases if self.engines.serves(b)]
+        if self._compute_stuck():  # the stuck thread computes every base but the engines': claim none of those
+            bases = [b for b in bases if b in self.engines]
         rates: dict[str, float] = {}
         service = dict(self._scheduler.service_rates) if self._scheduler is not None else {}
         service.update(self.engines.service_rates())

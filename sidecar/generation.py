@@ -15,6 +15,7 @@ import logging
 import time
 from typing import Any
 
+from lorafleet.deadlines import local_deadline
 from lorafleet.sidecar.acks import Situation
 from lorafleet.sidecar.batcher import Batch, Pulled
 from lorafleet.sidecar.runtime import ABORTED, Generated, GenerateInput, RequestRefused, Runtime
@@ -29,7 +30,7 @@ class ThreadSink:
     def __init__(self, side: Any, items: list[Pulled]) -> None:
         self.side = side
         self.outs = [side.text_out(p.task.id) if side is not None else None for p in items]
-        self.deadlines = [p.task.deadline for p in items]
+        self.deadlines = [local_deadline(p.task) for p in items]
 
     def delta(self, i: int, text: str) -> None:
         out = self.outs[i]
@@ -78,6 +79,6 @@ def _run(runtime: Runtime, items: list[Pulled], adapter: str | None, side: Any) 
 def _outcome(g: Generated, p: Pulled) -> Outcome:
     if g.finish_reason != ABORTED:
         return Outcome(Situation.OK, text=Text(g))
-    if time.time() >= p.task.deadline:
+    if time.time() >= local_deadline(p.task):
         return Outcome(Situation.DEADLINE, message="deadline passed while generating")
     return Outcome(Situation.CANCELLED, message="nobody waits for the text any more")

@@ -11,6 +11,11 @@ at most every `CHECK_S` a generating task asks: a chunk goes as a request instea
 publish, and a task with nothing to send (not streaming, or waiting in the engine's queue) sends an
 empty probe. "Nobody waits" or "nobody listens" (no responders: the gateway is gone) aborts the
 generation in the runtime; a passed deadline does too. Per-chunk cost stays a plain publish.
+
+Order on the wire is the sender's: a task's chunks are published by one coroutine at a time, each
+before the next (an engine lane's sequence awaits `delta`; the main thread's deltas queue for one
+writer). A check-in chunk is published right there too, with a reply subject (`Receipts`); only the
+wait for its receipt runs apart, after the publish, so no later chunk can overtake it.
 """
 
 from __future__ import annotations
@@ -23,8 +28,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from nats.errors import NoRespondersError
-
+from lorafleet.deadlines import local_deadline
 from lorafleet.wire import RECEIPT_CANCEL, Result, Task
 
 log = logging.getLogger(__name__)
@@ -77,7 +81,7 @@ class TextOut:
         now = time.monotonic()
         if now - self.last_check >= CHECK_S:
             self.last_check = now
-            self._streams.check(self, body)
+            await self._streams.check_in(self, body)  # published now, in order; the receipt is awaited apart
             return
         try:
             await self._streams.nc.publish(self.task.reply, body)
@@ -106,6 +110,58 @@ class TextOut:
         return self.seq
 
 
+class Receipts:
+    """Requests whose publish happens in line with the caller's other publishes; their answers come apart.
+
+    `nc.request` publishes from a task of its own, so a message published after it may reach the
+    wire first. Here the caller publishes (with a reply subject under one wildcard subscription of
+    this connection, like nats-py's own request inbox) and gets the answer's future back.
+    """
+
+    def __init__(self, nc: Any) -> None:
+        self.nc = nc
+        self._prefix: str | None = None
+        self._subscribing = asyncio.Lock()
+        self._waiting: dict[str, asyncio.Future[Any]] = {}
+        self._next = 0
+
+    async def send(self, subject: str, body: bytes) -> tuple[str, asyncio.Future[Any]]:
+        """Publish `body` to `subject` asking for an answer: (token, future of the answer)."""
+        prefix = self._prefix or await self._subscribe()
+        self._next += 1
+        token = str(self._next)
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._waiting[token] = future
+        try:
+            await self.nc.publish(subject, body, reply=prefix + token)
+        except BaseException:
+            self._waiting.pop(token, None)
+            raise
+        return token, future
+
+    def forget(self, token: str) -> None:
+        self._waiting.pop(token, None)
+
+    async def _subscribe(self) -> str:
+        async with self._subscribing:
+            if self._prefix is None:
+                prefix = self.nc.new_inbox() + "."  # under this client's inbox prefix: its own to subscribe to
+                await self.nc.subscribe(prefix + "*", cb=self._on_answer)
+                self._prefix = prefix
+            return self._prefix
+
+    async def _on_answer(self, msg: Any) -> None:
+        assert self._prefix is not None
+        future = self._waiting.pop(msg.subject[len(self._prefix):], None)
+        if future is not None and not future.done():
+            future.set_result(msg)
+
+
+def _no_responders(msg: Any) -> bool:
+    """The server's answer when nobody subscribes to the subject (status 503)."""
+    return bool(msg.headers) and msg.headers.get("Status") == "503"
+
+
 class TextStreams:
     """The generating tasks of one worker connection (event loop only, but `aborted` may be read anywhere)."""
 
@@ -113,7 +169,8 @@ class TextStreams:
         self.nc = nc
         self.worker_id = worker_id
         self._open: dict[str, TextOut] = {}
-        self._checks: set[asyncio.Task[None]] = set()
+        self._checks: set[asyncio.Task[None]] = set()  # receipts awaited: kept until they end
+        self.receipts = Receipts(nc)
 
     def __len__(self) -> int:
         return len(self._open)
@@ -130,23 +187,31 @@ class TextStreams:
         if self._open.get(out.task.id) is out:
             del self._open[out.task.id]
 
-    def check(self, out: TextOut, body: bytes = b"") -> None:
-        """Ask the task's gateway (in the background) whether anyone still waits; abort the task if not."""
-        task = asyncio.ensure_future(self._check(out, body))
+    async def check_in(self, out: TextOut, body: bytes = b"") -> None:
+        """Send `body` (a chunk, or an empty probe) asking whether anyone still waits; abort the task if not.
+
+        The publish happens before this returns, so the caller's next chunk follows it on the wire; the
+        receipt is awaited by a task of its own (kept in `_checks`).
+        """
+        try:
+            token, receipt = await self.receipts.send(out.task.reply, body)
+        except Exception as exc:  # reconnecting: the final result (with the whole text) still goes with a receipt
+            log.debug("check-in of %s not sent: %r", out.task.id, exc)
+            return
+        task = asyncio.ensure_future(self._await_receipt(out, token, receipt))
         self._checks.add(task)
         task.add_done_callback(self._checks.discard)
 
-    async def _check(self, out: TextOut, body: bytes) -> None:
+    async def _await_receipt(self, out: TextOut, token: str, receipt: asyncio.Future[Any]) -> None:
         try:
-            receipt = await self.nc.request(out.task.reply, body, timeout=CHECK_TIMEOUT_S)
-        except NoRespondersError:
-            out.abort(CANCELLED)  # nobody listens on the inbox: its gateway is gone
+            msg = await asyncio.wait_for(receipt, CHECK_TIMEOUT_S)
+        except TimeoutError:  # a slow or reconnecting gateway says nothing about the client
+            log.debug("check of %s inconclusive: no receipt", out.task.id)
             return
-        except Exception as exc:  # a timeout or a reconnect says nothing about the client
-            log.debug("check of %s inconclusive: %r", out.task.id, exc)
-            return
-        if receipt.data == RECEIPT_CANCEL:
-            out.abort(CANCELLED)
+        finally:
+            self.receipts.forget(token)
+        if _no_responders(msg) or msg.data == RECEIPT_CANCEL:
+            out.abort(CANCELLED)  # nobody listens on the inbox (its gateway is gone), or nobody waits
 
     async def watch(self) -> None:
         """Runs for the connection's life: probes tasks that sent nothing lately, aborts those past deadline."""
@@ -156,8 +221,8 @@ class TextStreams:
             for out in list(self._open.values()):
                 if out.reason is not None:
                     continue
-                if out.task.deadline <= wall:
+                if local_deadline(out.task) <= wall:
                     out.abort(DEADLINE)
                 elif now - out.last_check >= CHECK_S:
                     out.last_check = now
-                    self.check(out)
+                    await self.check_in(out)

@@ -186,10 +186,11 @@ def _serve(fleet: FleetConfig, side: NatsSide, serve: list[str], lookup: FleetLo
         if batch is None:
             break
         t0 = time.perf_counter()
-        outcomes, started = computer.run(batch)
+        outcomes, started = computer.run(batch)  # rows waiting for an adapter download leave the batch (compute.py)
         took = time.perf_counter() - t0
         busy_s += took
-        metrics.batch_done(batch.base, len(batch), took)
+        if batch.items:
+            metrics.batch_done(batch.base, len(batch), took)
         if computer.adapters_changed:
             computer.adapters_changed = False
             side.adapters_snapshot = computer.snapshot()

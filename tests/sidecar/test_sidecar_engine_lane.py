@@ -70,9 +70,21 @@ class Nc:
     def __init__(self) -> None:
         self.sent: list[Result] = []
         self.receipt = b""
+        self.answer: Any = None  # the callback of the check-ins' receipt subscription
+        self.answering: list[asyncio.Future[None]] = []
 
-    async def publish(self, subject: str, body: bytes) -> None:
-        self.sent.append(Result.from_wire(body))
+    def new_inbox(self) -> str:
+        return "_INBOX.w1"
+
+    async def subscribe(self, subject: str, cb: Any) -> None:
+        self.answer = cb
+
+    async def publish(self, subject: str, body: bytes, reply: str = "") -> None:
+        if body:
+            self.sent.append(Result.from_wire(body))
+        if reply:  # a check-in: the gateway's receipt comes back on the reply subject
+            receipt = types.SimpleNamespace(subject=reply, data=self.receipt, headers=None)
+            self.answering.append(asyncio.ensure_future(self.answer(receipt)))
 
     async def request(self, subject: str, body: bytes, timeout: float) -> Any:
         if body:
