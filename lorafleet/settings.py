@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import sys
+from dataclasses import dataclass, replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -16,11 +18,99 @@ class DataDirError(RuntimeError):
     """The dataset folder is missing or does not hold what lorafleet expects."""
 
 
+# The home: one user-level folder that every command finds from any directory. XDG's data home, because what
+# lives there is data a user keeps (the MLflow registry and runs, Optuna studies, the statutes, credentials),
+# not a cache: `$XDG_DATA_HOME/lorafleet`, else `~/.local/share/lorafleet`. LORAFLEET_HOME moves it.
+HOME_ENV = "LORAFLEET_HOME"
+LEGACY_HOME = ".lorafleet"  # the default before: relative to wherever a command ran
+# What a home holds (any one of them marks a folder as lorafleet's, not some other tool's `.lorafleet`).
+_HOME_MARKERS = ("mlflow", "nats", "optuna", "data", "creds", "cluster.json", "logs", "runs", "research", "tune")
+
+
+@dataclass(frozen=True)
+class HomeChoice:
+    """Which home a command uses and why; `link` asks home() to link the default to a legacy `./.lorafleet`."""
+
+    path: Path
+    origin: str  # "LORAFLEET_HOME", "default" or "legacy"
+    note: str | None = None  # said once per process on stderr
+    link: bool = False
+
+
+def default_home() -> Path:
+    """`$XDG_DATA_HOME/lorafleet`, else `~/.local/share/lorafleet` (a relative XDG_DATA_HOME is ignored, as
+    the XDG spec says)."""
+    xdg = os.environ.get("XDG_DATA_HOME", "")
+    base = Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".local" / "share"
+    return base / "lorafleet"
+
+
+def _is_lorafleet_home(path: Path) -> bool:
+    return path.is_dir() and any((path / m).exists() for m in _HOME_MARKERS)
+
+
+def locate_home() -> HomeChoice:
+    """Where the home is, without creating or linking anything (home() does that)."""
+    raw = os.environ.get(HOME_ENV)
+    if raw:
+        return HomeChoice(Path(raw).expanduser().resolve(), HOME_ENV)
+    default = default_home()
+    try:
+        legacy = Path.cwd() / LEGACY_HOME
+    except OSError:  # the current directory was deleted
+        return HomeChoice(default, "default")
+    if not _is_lorafleet_home(legacy) or _same_dir(legacy, default):
+        return HomeChoice(default, "default")
+    if not os.path.lexists(default):
+        # Linked, not moved: the MLflow store, cluster.json and Optuna keep absolute paths into this folder.
+        return HomeChoice(legacy.resolve(), "legacy", link=True, note=(
+            f"lorafleet: found {legacy} from an earlier version; linked {default} -> {legacy.resolve()}, so every "
+            f"command finds it from any directory (set {HOME_ENV} to use another home)"))
+    return HomeChoice(default, "default", note=(
+        f"lorafleet: {legacy} (from an earlier version) is not used; the home is {default}. To use the old one: "
+        f"export {HOME_ENV}={legacy.resolve()}"))
+
+
+def _same_dir(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve(strict=True) == b.resolve(strict=True)
+    except OSError:
+        return False
+
+
+_said: set[str] = set()
+
+
 def home() -> Path:
-    """`LORAFLEET_HOME` (default `./.lorafleet`): NATS store, MLflow store, Optuna storage, logs."""
-    path = Path(os.environ.get("LORAFLEET_HOME", ".lorafleet")).expanduser().resolve()
+    """The home (see locate_home): NATS store, MLflow store, Optuna storage, statutes, logs. Created if missing;
+    a legacy `./.lorafleet` is linked as the default home when there is none yet (said once on stderr)."""
+    choice = locate_home()
+    if choice.link:
+        default = default_home()
+        default.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            default.symlink_to(choice.path, target_is_directory=True)
+        except FileExistsError:  # another command linked or created it meanwhile: decide again
+            choice = locate_home()
+        except OSError as exc:  # a read-only home: use the old folder from here, and say why it is not linked
+            choice = replace(choice, note=f"lorafleet: using {choice.path} from an earlier version; could not link "
+                                          f"{default} to it ({exc}); set {HOME_ENV} to use it from any directory")
+    if choice.note and choice.note not in _said:
+        _said.add(choice.note)
+        print(choice.note, file=sys.stderr, flush=True)
+    path = choice.path
     path.mkdir(parents=True, exist_ok=True)
-    return path
+    return path.resolve()
+
+
+def home_line() -> str | None:
+    """`home: PATH (why)` when a command uses another home than the default, else None."""
+    choice = locate_home()
+    if choice.origin == HOME_ENV:
+        return f"home: {choice.path} (from {HOME_ENV})"
+    if choice.origin == "legacy":
+        return f"home: {choice.path} (./{LEGACY_HOME} from an earlier version)"
+    return None
 
 
 # The fleet `lorafleet up` serves when given none, if present (relative: a checkout of this repository).
@@ -29,8 +119,16 @@ DATA_SOURCE_FILE = "SOURCE.json"  # written by `lorafleet data fetch`: where the
 
 
 def data_cache_dir() -> Path:
-    """Where `lorafleet data fetch` stores the statutes when LORAFLEET_DATA_DIR is not set."""
+    """Where `lorafleet data fetch` stores the statutes when LORAFLEET_DATA_DIR is not set: LORAFLEET_HOME/data."""
     return home() / "data"
+
+
+def find_statutes() -> Path | None:
+    """The data folder training would read (LORAFLEET_DATA_DIR, else the home's cache) if it holds
+    `gesetze/`, else None. Reads only: creates, links and says nothing (tests look with it)."""
+    raw = os.environ.get("LORAFLEET_DATA_DIR")
+    root = Path(raw).expanduser() if raw else locate_home().path / "data"
+    return root.resolve() if (root / "gesetze").is_dir() else None
 
 
 def data_dir() -> Path:

@@ -9,6 +9,8 @@ import sys
 import time
 from typing import Any, TextIO
 
+from lorafleet.progress import hold_terminal
+
 
 def _fmt_s(seconds: float) -> str:
     seconds = max(0, int(seconds))
@@ -35,6 +37,9 @@ class Progress:
             self._live = Live(self._render(), console=Console(file=self.stream), refresh_per_second=2,
                               transient=False)
             self._live.__enter__()
+            # The trials' own step bars would redraw over this panel: they print plain lines meanwhile.
+            self._hold = hold_terminal()
+            self._hold.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -42,6 +47,7 @@ class Progress:
             self._live.update(self._render())
             self._live.__exit__(None, None, None)
             self._live = None
+            self._hold.__exit__(None, None, None)
 
     # ---- events ---------------------------------------------------------------------------------
     def note(self, message: str) -> None:

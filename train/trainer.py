@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import resource
 import shutil
 import time
@@ -14,6 +13,7 @@ from typing import Any
 from lorafleet.config import ConfigError
 from lorafleet.device import resolve_device
 from lorafleet.models import resolve_model_source
+from lorafleet.progress import StepProgress, quiet_library_bars
 from lorafleet.tasks import EpochCallback, TrainResult
 from lorafleet.train.config import TrainConfig
 from lorafleet.train.dataset import RetrievalDataset
@@ -45,9 +45,48 @@ class CostMeter:
         }
 
 
+class ProgressEncoder:
+    """A sentence-transformers model whose `encode` shows progress on long inputs (a corpus takes a minute or
+    more on a CPU): it encodes slices of `SLICE_BATCHES` batches and advances a StepProgress after each.
+    Short inputs (queries) go through at once; every other attribute is the model's."""
+
+    SLICE_BATCHES = 8
+
+    def __init__(self, model: Any, description: str) -> None:
+        self._model, self._description = model, description
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def encode(self, sentences: Any, *args: Any, batch_size: int = 32, **kwargs: Any) -> Any:
+        step = max(1, batch_size) * self.SLICE_BATCHES
+        if isinstance(sentences, str) or len(sentences) <= step:
+            return self._model.encode(sentences, *args, batch_size=batch_size, **kwargs)
+        texts = list(sentences)
+        parts = []
+        with StepProgress(len(texts), self._description) as bar:
+            for i in range(0, len(texts), step):
+                parts.append(self._model.encode(texts[i : i + step], *args, batch_size=batch_size, **kwargs))
+                bar.advance(len(texts[i : i + step]))
+        return _concat(parts)
+
+
+def _concat(parts: list[Any]) -> Any:
+    import numpy as np
+
+    if isinstance(parts[0], np.ndarray):
+        return np.concatenate(parts)
+    if isinstance(parts[0], list):
+        return [x for part in parts for x in part]
+    import torch
+
+    return torch.cat(parts)
+
+
 def load_base_model(base_model: str, device: str = "cpu", max_seq_length: int | None = None) -> Any:
     from sentence_transformers import SentenceTransformer
 
+    quiet_library_bars()  # "Loading weights" and the like would be fragments in a log
     model = SentenceTransformer(resolve_model_source(base_model), device=device)
     if max_seq_length is not None:
         model.max_seq_length = max_seq_length
@@ -238,13 +277,15 @@ def train_adapter(
     *,
     on_epoch: EpochCallback | None = None,
     keep_model: bool = False,
+    evaluate_test: bool = False,
 ) -> TrainResult:
-    """Train a LoRA adapter on `dataset`'s training queries; evaluate dev after each epoch, test at the end.
+    """Train a LoRA adapter on `dataset`'s training queries; evaluate dev after each epoch.
 
     `on_epoch(epoch, dev_metrics)` is called after every epoch's dev evaluation (epochs count from 1);
     whatever it raises (e.g. `optuna.TrialPruned`) propagates out of this function. The adapter
     lands in `out_dir/adapter`. Costs cover this function only. `keep_model` puts the trained
-    in-memory model into `result.extras["model"]`.
+    in-memory model into `result.extras["model"]`. Test is scored only with `evaluate_test` (a standalone
+    run): research trials see dev only, and research scores test once, for its winner.
     """
     import torch
     from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
@@ -273,19 +314,22 @@ def train_adapter(
     evaluator = DenseEvaluator(dataset, cfg.eval_batch_size)
     epochs: list[dict[str, float]] = []
     step_losses: list[tuple[float, float]] = []  # (epoch position, loss)
-    steps_per_epoch = max(1, math.ceil(len(train_data) / cfg.batch_size))
+    bars: list[StepProgress] = []  # the training steps' display, closed however training ends
 
     class _EpochEval(TrainerCallback):  # type: ignore[misc]
+        def on_train_begin(self, args: Any, state: Any, control: Any, **_: Any) -> None:
+            bars.append(StepProgress(state.max_steps, "train"))
+
         def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None, **_: Any) -> None:
             if logs and "loss" in logs:
                 step_losses.append((float(state.epoch or 0), float(logs["loss"])))
-                if state.global_step % max(1, steps_per_epoch // 4) == 0:
-                    log.info("step %d/%d  loss %.4f", state.global_step, state.max_steps, logs["loss"])
+                if bars:
+                    bars[-1].advance(1, f"epoch {len(epochs) + 1} loss {logs['loss']:.4f}")
 
         def on_epoch_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
             epoch = len(epochs) + 1
             t0 = time.perf_counter()
-            dev = evaluator.evaluate(model, ["dev"])
+            dev = evaluator.evaluate(ProgressEncoder(model, f"dev eval, epoch {epoch}: encode"), ["dev"])
             losses = [loss_ for pos, loss_ in step_losses if epoch - 1 < pos <= epoch + 1e-9]
             row = {"epoch": float(epoch), "train_loss": sum(losses) / len(losses) if losses else float("nan"), **dev}
             epochs.append(row)
@@ -315,6 +359,9 @@ def train_adapter(
         disable_tqdm=True,
         dataloader_num_workers=0,
     )
+    # A model card's widget is never written (only the adapter is saved); with none, the trainer samples one
+    # from the data at start, behind a stray tqdm bar ("Computing widget examples") in every log.
+    model.model_card_data.widget = [{"text": "lorafleet"}]
     trainer = SentenceTransformerTrainer(
         model=model, args=args, train_dataset=train_data, loss=loss, callbacks=[_EpochEval()]
     )
@@ -324,11 +371,15 @@ def train_adapter(
     try:
         trainer.train()
     finally:
+        for bar in bars:
+            bar.close()
         shutil.rmtree(scratch, ignore_errors=True)
 
     # The last dev evaluation encoded the corpus with the final weights; test reuses it.
-    with torch.no_grad():
-        test = evaluator.evaluate(model, ["test"], reuse_corpus=True)
+    test: dict[str, float] = {}
+    if evaluate_test:
+        with torch.no_grad():
+            test = evaluator.evaluate(model, ["test"], reuse_corpus=True)
     adapter_dir = save_adapter(model, out_dir / "adapter", cfg.base_model)
     metrics = {k: v for k, v in epochs[-1].items() if k.startswith("dev_")}
     metrics.update(test)

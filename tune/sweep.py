@@ -202,6 +202,9 @@ def run_tune(source: TuneSource, cfg: TuneConfig | None = None, out_dir: Path | 
     say(f"tune: {source.label} on {source.base_name}; SLO p99 ≤ {cfg.slo_p99_ms:g} ms"
         + (f", memory ≤ {cfg.memory_gb:g} GiB" if cfg.memory_gb else "") + f"; budget {cfg.budget_s:.0f}s")
     memory_mb = cfg.memory_gb * 1024 if cfg.memory_gb else None
+    # At most this many profiles (the grid, capped): a plateau, a repeat or the budget can end the sweep sooner.
+    at_most = min(cfg.max_profiles, 1 + len(cfg.items_grid) + len(cfg.wait_grid) + len(cfg.inflight_grid)
+                  + len(cfg.tokens_per_item_grid))
 
     def run_one(profile: ServingProfile, phase: str, first: bool = False) -> ProfileResult | None:
         key = (profile.max_batch_items, profile.max_batch_tokens, profile.max_wait_ms, profile.batches_in_flight)
@@ -210,11 +213,15 @@ def run_tune(source: TuneSource, cfg: TuneConfig | None = None, out_dir: Path | 
         if not first and (len(results) >= cfg.max_profiles or (time.monotonic() - t0) > cfg.budget_s):
             return None
         seen.add(key)
+        # Each profile takes a worker restart and several load points (15 s or more): say which one runs.
+        say(f"  profile {len(results) + 1}/≤{at_most} ({phase}): items {profile.max_batch_items} tokens "
+            f"{profile.max_batch_tokens} wait {profile.max_wait_ms:g} ms in-flight {profile.batches_in_flight} "
+            f"measuring…  ({time.monotonic() - t0:.0f}s of {cfg.budget_s:.0f}s)")
         restart = 0.0 if first else sweeper.apply(profile)
         r = sweeper.measure(profile, phase, restart)
         results.append(r)
         p99 = f"{r.p99_ms:.0f}" if r.p99_ms is not None else "-"
-        say(f"  [{len(results):>2}] items {profile.max_batch_items:>3} tokens {profile.max_batch_tokens:>5} "
+        say(f"  [{len(results):>2}/{at_most}] items {profile.max_batch_items:>3} tokens {profile.max_batch_tokens:>5} "
             f"wait {profile.max_wait_ms:>4g} ms in-flight {profile.batches_in_flight}: {r.throughput_rps:6.1f} req/s, "
             f"p99 {p99} ms @ {sweeper.open_rates[-1]:g} req/s, RSS {r.peak_rss_mb:.0f} MB"
             + (f", {r.errors} errors" if r.errors else "")

@@ -33,6 +33,16 @@ def _root(
     """lorafleet: ship small specialists, serve many of them from one queue."""
 
 
+def echo_home() -> None:
+    """Say on stderr which home a command uses when it is not the default (LORAFLEET_HOME, an old ./.lorafleet)."""
+    from lorafleet import settings
+
+    settings.home()  # links an old ./.lorafleet first (and says so), after which it is the default
+    line = settings.home_line()
+    if line:
+        typer.echo(line, err=True)
+
+
 def _register() -> None:
     from lorafleet.cli import creds, data, registry, research, runtime, serve, train, tune
 

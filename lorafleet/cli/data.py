@@ -12,16 +12,26 @@ data_app = typer.Typer(help="The datasets training reads: fetch the statutes, se
 
 @data_app.command("fetch")
 def fetch(
-    source: str = typer.Option(None, "--source", "-s", help="Where from: a URL (default: the bundestag/gesetze "
-                               "archive on GitHub), a local git clone or folder in its <letter>/<law>/index.md "
-                               "layout, or a .tar.gz/.zip archive file."),
+    source: str = typer.Option(None, "--source", "-s", envvar="LORAFLEET_DATA_SOURCE", help="Where from: a URL "
+                               "(default: the bundestag/gesetze archive on GitHub), a local git clone or folder in "
+                               "its <letter>/<law>/index.md layout, or a .tar.gz/.zip archive file."),
     dest: Path = typer.Option(None, "--dest", help="Data folder to fill (default: $LORAFLEET_DATA_DIR if set, "
                               "else LORAFLEET_HOME/data)."),
+    if_missing: bool = typer.Option(False, "--if-missing", help="Do nothing when training already finds statutes "
+                                    "(no download; what scripts/setup.sh runs)."),
 ) -> None:
     """Get the German federal statutes, verify them, and store them where training finds them."""
-    from lorafleet.settings import DataDirError
+    from lorafleet.cli import echo_home
+    from lorafleet.settings import DataDirError, find_statutes
     from lorafleet.train.statute_source import fetch_statutes
 
+    echo_home()
+    found = None
+    if if_missing:
+        found = find_statutes() if dest is None else (dest if (dest / "gesetze").is_dir() else None)
+    if found is not None:
+        typer.echo(f"statutes already in {found / 'gesetze'}; nothing fetched")
+        return
     try:
         result = fetch_statutes(source, dest, say=lambda t: typer.echo(t, err=True))
     except DataDirError as exc:
@@ -36,9 +46,11 @@ def fetch(
 @data_app.command("info")
 def info() -> None:
     """Where training finds the statutes, and where they came from."""
+    from lorafleet.cli import echo_home
     from lorafleet.settings import DataDirError, data_dir
     from lorafleet.train.statute_source import source_record
 
+    echo_home()
     try:
         root = data_dir()
     except DataDirError as exc:

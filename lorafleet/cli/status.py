@@ -33,11 +33,13 @@ def status(
     import asyncio
 
     from lorafleet import settings
+    from lorafleet.cli import echo_home
     from lorafleet.cluster_state import STATE_FILE, ClusterError, ClusterState, collect_status, processes
     from lorafleet.config import ConfigError, FleetConfig, load_yaml_model
     from lorafleet.nats_auth import CredentialsError
     from lorafleet.nats_client import ClientSettings, NatsUrlError
 
+    echo_home()
     home = settings.home()
     try:
         state = ClusterState.load(home) if (home / STATE_FILE).is_file() else None
@@ -103,11 +105,13 @@ def _print(info: dict[str, Any], state: Any) -> None:
     for name, hb in info["workers"].items():
         adapters = ", ".join(f"{b}: {a}" for b, a in hb["adapters"].items() if a) or "none"
         rates = ", ".join(f"{b} {r:.0f}/s" for b, r in hb.get("service_rates", {}).items()) or "not measured"
+        precision = ", ".join(f"{b} {p}" for b, p in hb.get("precisions", {}).items()) or "not reported"
         engines = "".join(f"  {b}: {hb['slots_used'].get(b, 0)}/{n} sequences, KV cache "
                           f"{100 * hb.get('kv_cache', {}).get(b, 0.0):.0f}%" for b, n in hb.get("slots", {}).items())
         typer.echo(
             f"  {name:<14} bases {', '.join(hb['bases']) or '(none pulling)'}  adapters {adapters}  in flight "
-            f"{hb['in_flight']}  {hb['batches_per_s']:.1f} batches/s  rate {rates}  done {hb['tasks_done']}"
+            f"{hb['in_flight']}  {hb['batches_per_s']:.1f} batches/s  rate {rates}  precision {precision}  done "
+            f"{hb['tasks_done']}"
             f"{engines}{'  draining' if hb['draining'] else ''}"
         )
     typer.echo("queue (per consumer):")

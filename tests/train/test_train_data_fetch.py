@@ -94,3 +94,54 @@ def test_fetch_from_archives_and_refusals(tmp_path: Path, data_dir: Path) -> Non
         fetch_statutes(str(tmp_path / "nope"), tmp_path / "other", say=lambda _: None)
     # The earlier good fetch is untouched by the refusals.
     assert sorted(p.name for p in (dest / "gesetze").iterdir()) == ["agg.md", "kschg.md"]
+
+
+def public_archive(shared: Path, path: Path, laws: list[str] | None = None) -> Path:
+    """A `.tar.gz` like GitHub's archive of bundestag/gesetze (`gesetze-master/<letter>/<law>/index.md`)."""
+    with tarfile.open(path, "w:gz") as tar:
+        for law in laws or sorted(p.stem for p in (shared / "gesetze").glob("*.md")):
+            tar.add(shared / "gesetze" / f"{law}.md", arcname=f"gesetze-master/{law[0]}/{law}/index.md")
+    return path
+
+
+def test_if_missing_fetches_once_from_the_source_the_environment_names(tmp_path: Path, data_dir: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """What scripts/setup.sh runs: `data fetch --if-missing`, here with LORAFLEET_DATA_SOURCE as the network."""
+    monkeypatch.delenv("LORAFLEET_DATA_DIR")
+    monkeypatch.setenv("LORAFLEET_DATA_SOURCE", str(public_archive(data_dir, tmp_path / "g.tar.gz", list(LAWS))))
+    first = CliRunner().invoke(app, ["data", "fetch", "--if-missing"])
+    assert first.exit_code == 0 and "2 laws in" in first.output and "(updated)" in first.output, first.output
+    again = CliRunner().invoke(app, ["data", "fetch", "--if-missing"])
+    assert again.exit_code == 0 and "nothing fetched" in again.output, again.output
+    assert sorted(p.name for p in (find_data_dir() / "gesetze").glob("*.md")) == ["agg.md", "kschg.md"]
+
+
+def test_a_download_says_how_many_bytes_it_fetched(tmp_path: Path, data_dir: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over real HTTP (a local server): a line per block with the bytes so far, of the announced size."""
+    import threading
+    from functools import partial
+    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+    from lorafleet.train import statute_source
+
+    served = tmp_path / "served"
+    served.mkdir()
+    archive = public_archive(data_dir, served / "gesetze-master.tar.gz")
+    monkeypatch.setattr(statute_source, "PROGRESS_EVERY_S", 0.0)  # every block, not every 2 s
+    handler = partial(SimpleHTTPRequestHandler, directory=str(served))
+    handler.log_message = lambda *a: None  # type: ignore[attr-defined]
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    lines: list[str] = []
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/gesetze-master.tar.gz"
+        result = fetch_statutes(url, tmp_path / "data", say=lines.append)
+    finally:
+        server.shutdown()
+        server.server_close()
+    size = archive.stat().st_size / 2**20
+    progress = [ln for ln in lines if f"MB of {size:.1f} MB" in ln]
+    assert progress and progress[-1].startswith(f"[data]   {size:.1f} MB of {size:.1f} MB (100%)"), lines
+    assert result.laws == len(list((data_dir / "gesetze").glob("*.md")))
+    assert not any(ch in "".join(lines) for ch in "\r\x1b")  # plain lines

@@ -1,0 +1,50 @@
+"""`lorafleet tune` says which profile it measures, i of at most n, before each one (15 s or more apiece)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from lorafleet.config import ServingProfile
+from lorafleet.tune import sweep
+from lorafleet.tune.analysis import ProfileResult
+from lorafleet.tune.config import TuneConfig
+from lorafleet.tune.source import TuneSource
+
+
+class _FakeSweeper:
+    """Pure logic of the staged sweep: throughput from the profile, no cluster (the real one is sweep.Sweeper)."""
+
+    def __init__(self, source: TuneSource, cfg: TuneConfig, work_dir: Path, say: object) -> None:
+        self.baseline_rps = 10.0
+        self.open_rates = [5.0]
+
+    def start(self, profile: ServingProfile) -> None: ...
+
+    def apply(self, profile: ServingProfile) -> float:
+        return 0.0
+
+    def stop(self) -> None: ...
+
+    def measure(self, profile: ServingProfile, phase: str, restart_s: float) -> ProfileResult:
+        rps = 10.0 + profile.max_batch_items
+        return ProfileResult(profile=profile, phase=phase, throughput_rps=rps, p50_ms=5.0, p99_ms=10.0,
+                             peak_rss_mb=100.0, points=[{"level": 5.0}])
+
+
+def test_each_profile_is_announced_as_i_of_at_most_n(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sweep, "Sweeper", _FakeSweeper)
+    cfg = TuneConfig(items_grid=[1, 8], wait_grid=[0.0], inflight_grid=[], tokens_per_item_grid=[], warmup_s=0)
+    lines: list[str] = []
+    source = TuneSource(tmp_path / "adapter", "/models/tiny", "tiny", None, "x")
+    result = sweep.run_tune(source, cfg, tmp_path / "out", say=lines.append)
+
+    n = len(result.results)
+    announced = [m.groups() for ln in lines if (m := re.match(r"^  profile (\d+)/≤(\d+) \((\w+)\): ", ln))]
+    assert [int(i) for i, _, _ in announced] == list(range(1, n + 1)), lines
+    assert {int(top) for _, top, _ in announced} == {4}  # baseline + 2 batch sizes + 1 wait window
+    assert announced[0][2] == "baseline"
+    done = [ln for ln in lines if re.match(r"^  \[ ?\d+/4\] items", ln)]
+    assert len(done) == n  # each measured profile reports as i/n too
