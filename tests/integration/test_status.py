@@ -44,12 +44,21 @@ def test_status_from_nats_shows_every_process_with_host_pid_state_and_restarts(t
     try:
         c.kill("worker-1")  # the supervisor restarts it, telling it its restart count
         until(lambda: ClusterState.load(home).restarts == {"worker-1": 1}, 20, "worker-1 restarted")
-        c.wait_ready(timeout=60, workers=1)
         want_worker = {"role": "worker", "host": socket.gethostname(), "state": "serving", "restarts": 1}
 
         # Another host: no LORAFLEET_HOME of its own, only the URL and the control credential.
-        remote = json.loads(status(tmp_path / "elsewhere", "--json", "--nats-url", c.nats_url,
-                                   "--creds", str(home / "creds" / "control.nk")).stdout)
+        def remote_status() -> dict[str, Any]:
+            return json.loads(status(tmp_path / "elsewhere", "--json", "--nats-url", c.nats_url,
+                                     "--creds", str(home / "creds" / "control.nk")).stdout)
+
+        # The gateway's readiness still counts the killed worker's last heartbeat for a few seconds, so wait for
+        # the restarted process itself (its pid) to announce that it serves.
+        def restarted_serves() -> bool:
+            w = members(remote_status()).get("worker/worker-1")
+            return w is not None and w["pid"] == c.pid("worker-1") and w["state"] == "serving"
+
+        until(restarted_serves, 60, "the restarted worker-1 serving")
+        remote = remote_status()
         assert remote["source"] == "nats" and "processes" not in remote
         seen = members(remote)
         worker = seen.get("worker/worker-1")
