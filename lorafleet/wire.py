@@ -6,7 +6,8 @@ same strict reader (`_read`): a missing field, a field of the wrong type or an u
 a `WireError` that names the field, whichever body it is.
 
 A result carries the payload of one capability: `vector` (+ `dim`) for embed, `text` with token
-usage and a finish reason for generate, or an error code. A generate task that asks for streaming
+usage and a finish reason for generate, `scores` (raw float32, one per document of the task's
+`ScoreParams`) for score, or an error code. A generate task that asks for streaming
 is answered with text chunks first (a Result with `seq` and no finish reason, core-NATS publishes in
 order) and then the final Result (whole text, usage, finish reason, number of chunks sent), which
 goes with a receipt like every final result. `attempt` (the JetStream delivery) tells a gateway which
@@ -47,7 +48,8 @@ RECEIPT_CANCEL = b"cancel"
 # Capabilities: what a runtime can do and what a task asks for.
 EMBED: Final = "embed"
 GENERATE: Final = "generate"
-CAPABILITIES: Final = (EMBED, GENERATE)
+SCORE: Final = "score"  # (query, document) pairs → one relevance float each: a cross-encoder (rerank)
+CAPABILITIES: Final = (EMBED, GENERATE, SCORE)
 
 _TOKEN_RE = re.compile(r"[^A-Za-z0-9_-]")
 
@@ -263,6 +265,35 @@ class GenerateParams:
                    seed=d["sd"], stream=d["st"], chat=d["ch"])
 
 
+_SCORE_SPEC: Final[dict[str, tuple[Any, Any]]] = {"d": (list, _REQUIRED)}
+MAX_SCORE_DOCUMENTS: Final = 256  # per task; the gateway sends far fewer (gateway.rerank_chunk), a bound for the reader
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreParams:
+    """`Task.params` of a score task: the documents scored against the task's `text` (the query), one float
+    each in `Result.scores`. One task carries a chunk of a rerank request's documents, not one pair: the
+    query travels once, and the chunk's pairs are batched under the worker's token budget (`Task.tokens` is
+    the chunk's padded size, pairs × longest pair)."""
+
+    documents: tuple[str, ...]
+
+    def to_params(self) -> dict[str, Any]:
+        return {"d": list(self.documents)}
+
+    @classmethod
+    def of(cls, task: Task) -> ScoreParams:
+        """The parameters of a score task; MalformedTask when they are missing or wrong."""
+        if task.params is None:
+            raise MalformedTask("score task has no parameters ('p')")
+        docs = _fields(task.params, "score parameters", _SCORE_SPEC, MalformedTask)["d"]
+        if not docs or len(docs) > MAX_SCORE_DOCUMENTS:
+            raise MalformedTask(f"score parameter 'd' must hold 1 to {MAX_SCORE_DOCUMENTS} documents, got {len(docs)}")
+        if not all(isinstance(x, str) for x in docs):
+            raise MalformedTask("score parameter 'd' must be a list of strings")
+        return cls(tuple(docs))
+
+
 # Error codes a worker can send back; the gateway maps them to HTTP statuses.
 ERR_DEADLINE = "deadline_exceeded"  # 504
 ERR_MALFORMED = "malformed_task"  # 500: the gateway built a task the worker cannot read
@@ -276,6 +307,7 @@ _RESULT_SPEC: Final[dict[str, tuple[Any, Any]]] = {
     "tx": (str, None), "pt": (int, 0), "ct": (int, 0), "fr": (str, None), "ec": (str, None),
     "em": (str, None), "qm": (_NUMBER, 0.0), "bs": (int, 0),
     "sq": (int, None), "at": (int, 0),  # optional (issue 14): streamed text
+    "sc": (bytes, None),  # optional (issue 26): score, float32 little-endian, one per document of the task
 }
 
 
@@ -300,6 +332,7 @@ class Result:
     # result has the whole text, the finish reason and, in `seq`, how many chunks went before it.
     seq: int | None = None
     attempt: int = 0  # the task's delivery (JetStream num_delivered) this text comes from
+    scores: bytes | None = None  # score: float32 little-endian, one per document of the task, in order
 
     @property
     def ok(self) -> bool:
@@ -313,9 +346,17 @@ class Result:
         assert self.vector is not None
         return np.frombuffer(self.vector, dtype="<f4")
 
+    def score_array(self) -> np.ndarray:
+        assert self.scores is not None
+        return np.frombuffer(self.scores, dtype="<f4")
+
     def check(self) -> str | None:
         """Why a successful result cannot be used (a vector of the wrong size, no payload), or None."""
         if self.error_code is not None:
+            return None
+        if self.scores is not None:
+            if not self.scores or len(self.scores) % 4:
+                return f"result has {len(self.scores)} score bytes, not a whole number of float32"
             return None
         if self.vector is not None:
             if self.dim <= 0 or len(self.vector) != 4 * self.dim:
@@ -338,6 +379,8 @@ class Result:
             body["ec"], body["em"] = self.error_code, self.error_message
         if self.seq is not None:
             body["sq"] = self.seq
+        if self.scores is not None:
+            body["sc"] = self.scores
         if self.attempt:
             body["at"] = self.attempt
         return pack(body)
@@ -347,7 +390,8 @@ class Result:
         d = _read(data, "result", _RESULT_SPEC)
         return cls(task_id=d["id"], index=d["i"], worker=d["w"], vector=d["x"], dim=d["d"], text=d["tx"],
                    prompt_tokens=d["pt"], completion_tokens=d["ct"], finish_reason=d["fr"], error_code=d["ec"],
-                   error_message=d["em"], queue_ms=d["qm"], batch_size=d["bs"], seq=d["sq"], attempt=d["at"])
+                   error_message=d["em"], queue_ms=d["qm"], batch_size=d["bs"], seq=d["sq"], attempt=d["at"],
+                   scores=d["sc"])
 
 
 _HEARTBEAT_SPEC: Final[dict[str, tuple[Any, Any]]] = {
@@ -356,6 +400,7 @@ _HEARTBEAT_SPEC: Final[dict[str, tuple[Any, Any]]] = {
     "ts": (_NUMBER, _REQUIRED), "dr": (bool, False),
     "sr": (dict, None),  # optional (issue 12): absent from older workers, read as {}
     "su": (dict, None), "sn": (dict, None), "kv": (dict, None),  # optional (issue 14): engine runtimes
+    "pr": (dict, None),  # optional (issue 27): base → precision served
 }
 
 
@@ -381,6 +426,8 @@ class Heartbeat:
     slots_used: dict[str, int] = field(default_factory=dict)
     slots: dict[str, int] = field(default_factory=dict)
     kv_cache: dict[str, float] = field(default_factory=dict)
+    # base → the precision it is served at (fp32, bf16, fp16, int8; lorafleet/precision.py); absent from older workers.
+    precisions: dict[str, str] = field(default_factory=dict)
 
     def to_wire(self) -> bytes:
         body = {"v": WIRE_VERSION, "w": self.worker, "b": self.bases, "a": self.adapters, "f": self.in_flight,
@@ -390,6 +437,8 @@ class Heartbeat:
             body["sr"] = self.service_rates
         if self.slots:
             body["su"], body["sn"], body["kv"] = self.slots_used, self.slots, self.kv_cache
+        if self.precisions:
+            body["pr"] = self.precisions
         return pack(body)
 
     @classmethod
@@ -406,11 +455,14 @@ class Heartbeat:
                    for k, v in rates.items()):
             raise WireError("heartbeat field 'sr' must map base names to non-negative numbers")
         used, slots, kv = (_counts(d[k] or {}, k) for k in ("su", "sn", "kv"))
+        precisions = d["pr"] or {}
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in precisions.items()):
+            raise WireError("heartbeat field 'pr' must map base names to precision names")
         return cls(worker=d["w"], bases=list(d["b"]), adapters={k: list(v) for k, v in adapters.items()},
                    in_flight=d["f"], batches_per_s=d["bps"], tasks_done=d["td"], pid=d["pid"], host=d["h"],
                    ts=d["ts"], draining=d["dr"], service_rates={k: float(v) for k, v in rates.items()},
                    slots_used={k: int(v) for k, v in used.items()}, slots={k: int(v) for k, v in slots.items()},
-                   kv_cache={k: float(v) for k, v in kv.items()})
+                   kv_cache={k: float(v) for k, v in kv.items()}, precisions=dict(precisions))
 
 
 def _counts(d: dict[Any, Any], key: str) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""What the gateway knows of each base model before any worker answers: what it does (embed or generate),
+"""What the gateway knows of each base model before any worker answers: what it does (embed, generate, score),
 its tokenizer, and its vector size (embed) or its chat template and context (generate).
 
 Loaded once per base, off the request path and off the event loop (tokenizer files are read from
@@ -17,7 +17,7 @@ from lorafleet.config import BaseModelSpec, FleetConfig
 from lorafleet.models import resolve_model_source
 from lorafleet.serve.prompts import CausalPrompts
 from lorafleet.serve.tokens import TokenCounter
-from lorafleet.wire import EMBED, GENERATE
+from lorafleet.wire import EMBED, GENERATE, SCORE
 
 
 def native_dim(source: str) -> int | None:
@@ -42,22 +42,44 @@ class BaseInfo:
     dim: int | None  # None until a result tells (a hub id, a model with a Dense head)
     capability: str = EMBED
     prompts: CausalPrompts | None = None  # generate
+    max_length: int | None = None  # score: the longest (query, document) pair the model reads; longer is truncated
 
     @property
     def kind(self) -> str:
         """What /v1/models says a model of this base is."""
-        return "causal-lm" if self.capability == GENERATE else "embedding"
+        return {GENERATE: "causal-lm", SCORE: "reranker"}.get(self.capability, "embedding")
 
 
 def capability_of(spec: BaseModelSpec) -> str:
-    """`generate` when the base's runtime declares it and not `embed`, else `embed`."""
+    """`generate` (or `score`) when the base's runtime declares it and not `embed`, else `embed`."""
     declared = getattr(plugins.load(plugins.RUNTIMES, spec.runtime), "capabilities", frozenset())
-    return GENERATE if GENERATE in declared and EMBED not in declared else EMBED
+    if EMBED in declared:
+        return EMBED
+    return GENERATE if GENERATE in declared else SCORE if SCORE in declared else EMBED
+
+
+def pair_max_length(spec: BaseModelSpec) -> int | None:
+    """The length a cross-encoder truncates pairs to, as sentence-transformers' CrossEncoder finds it: the spec's
+    max_seq_length, else the tokenizer's model_max_length, else the model's max_position_embeddings."""
+    if spec.max_seq_length is not None:
+        return spec.max_seq_length
+    path = Path(resolve_model_source(spec.source))
+    for name, key in (("tokenizer_config.json", "model_max_length"), ("config.json", "max_position_embeddings")):
+        try:
+            value = json.loads((path / name).read_text()).get(key)
+        except (OSError, ValueError):
+            continue
+        if isinstance(value, int) and 0 < value < 1_000_000:  # transformers' "no limit" is a huge int
+            return value
+    return None
 
 
 def load_base(spec: BaseModelSpec) -> BaseInfo:
-    if capability_of(spec) == GENERATE:
+    capability = capability_of(spec)
+    if capability == GENERATE:
         return BaseInfo(None, None, GENERATE, CausalPrompts(spec.source, spec.options, spec.revision))
+    if capability == SCORE:
+        return BaseInfo(TokenCounter.for_source(spec.source), None, SCORE, max_length=pair_max_length(spec))
     return BaseInfo(TokenCounter.for_source(spec.source), native_dim(spec.source))
 
 

@@ -33,8 +33,9 @@ from lorafleet.sidecar.adapters import AdapterCache
 from lorafleet.sidecar.batcher import Batch
 from lorafleet.sidecar.generation import generate_batch
 from lorafleet.sidecar.runtime import Runtime
+from lorafleet.sidecar.scoring import score_batch
 from lorafleet.sidecar.settle import Outcome
-from lorafleet.wire import GENERATE
+from lorafleet.wire import GENERATE, SCORE
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +177,13 @@ class Computer:
             for i, outcome in zip(idx, generated, strict=True):
                 outcomes[i] = outcome
             if whole and all(o.situation is Situation.OK for o in generated):
+                self.last_encode = (len(idx), time.perf_counter() - t0)
+            return
+        if batch.op == SCORE:
+            scored = score_batch(runtime, batch, idx)
+            for i, outcome in zip(idx, scored, strict=True):
+                outcomes[i] = outcome
+            if whole and all(o.situation is Situation.OK for o in scored):
                 self.last_encode = (len(idx), time.perf_counter() - t0)
             return
         texts = [batch.items[i].task.text for i in idx]

@@ -20,7 +20,7 @@ from lorafleet.sidecar.acks import Situation, is_last_delivery
 from lorafleet.sidecar.batcher import Pulled
 from lorafleet.sidecar.owners import Owner, OwnerTracker
 from lorafleet.sidecar.settle import HeldTable, Settlement, Settler, num_delivered
-from lorafleet.wire import GENERATE, GenerateParams, MalformedTask, Task
+from lorafleet.wire import GENERATE, SCORE, GenerateParams, MalformedTask, ScoreParams, Task
 
 
 class Intake:
@@ -42,6 +42,8 @@ class Intake:
                 if task.base != base:
                     raise MalformedTask(f"task names base {task.base!r} but came on {base!r}'s subject")
                 params = GenerateParams.of(task) if task.op == GENERATE else None
+                if task.op == SCORE:
+                    ScoreParams.of(task)  # checked here, like generate's: a bad one is settled, never computed
             except MalformedTask as exc:
                 refused.append(Settlement(msg, base, Situation.MALFORMED, reason=str(exc), started=now))
                 continue

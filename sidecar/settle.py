@@ -70,7 +70,14 @@ class Text:
     chunks: int = 0
 
 
-Payload = bytes | Text  # an embedding (float32 bytes) or a generated text
+@dataclass(frozen=True, slots=True)
+class Scores:
+    """A score task's answer: float32 little-endian bytes, one per document of the task."""
+
+    data: bytes
+
+
+Payload = bytes | Text | Scores  # an embedding (float32 bytes), a generated text, or relevance scores
 
 
 @dataclass(slots=True)
@@ -81,10 +88,13 @@ class Outcome:
     vector: bytes | None = None
     message: str = ""
     text: Text | None = None
+    scores: Scores | None = None
 
     @property
     def payload(self) -> Payload | None:
-        return self.vector if self.vector is not None else self.text
+        if self.vector is not None:
+            return self.vector
+        return self.text if self.text is not None else self.scores
 
 
 class Held:
@@ -252,6 +262,9 @@ class Settler:
                 result = Result(task_id, index, self.worker_id, text=g.text, prompt_tokens=g.prompt_tokens,
                                 completion_tokens=g.completion_tokens, finish_reason=g.finish_reason,
                                 queue_ms=queue_ms, batch_size=batch_size, seq=payload.chunks, attempt=deliveries)
+            elif isinstance(payload, Scores):
+                result = Result(task_id, index, self.worker_id, scores=payload.data, queue_ms=queue_ms,
+                                batch_size=batch_size)
             else:
                 result = Result(task_id, index, self.worker_id, vector=payload, dim=self.dims.get(item.base, 0),
                                 queue_ms=queue_ms, batch_size=batch_size)

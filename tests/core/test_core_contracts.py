@@ -29,7 +29,7 @@ def fleet(raw: dict[str, Any]) -> FleetConfig:
 
 
 def test_fleet_validation_names_what_to_fix() -> None:
-    with pytest.raises(ConfigError, match=r"bases.0.runtime: .*unknown runtime 'onnx'; installed runtimes: sentence"):
+    with pytest.raises(ConfigError, match=r"bases.0.runtime: .*unknown runtime 'onnx'; installed runtimes: .*sentence"):
         fleet({"bases": [{"name": "m", "runtime": "onnx"}]})
     with pytest.raises(ConfigError, match="names base 'nope'"):
         fleet({"models": [{"name": "legal", "base": "nope", "adapter": "/x"}]})

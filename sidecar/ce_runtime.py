@@ -1,0 +1,146 @@
+"""The `score` capability on a sentence-transformers CrossEncoder (plugin name `cross-encoder`).
+
+A cross-encoder reads a (query, document) pair together and answers one relevance float: what
+/v1/rerank serves. The base is loaded with one output (`num_labels=1`), so a plain BERT checkpoint
+(the packaged MiniLM) becomes a cross-encoder with a fresh classification head. That head is drawn
+from a fixed seed (`FRESH_HEAD_SEED`): every worker of the base, on any host, scores alike.
+
+Adapters are peft LoRAs of task type SEQ_CLS trained with `modules_to_save=["classifier"]`: the
+head travels with the adapter (peft wraps it, one copy per adapter), so switching adapters switches
+heads too and the bare base keeps its own. An adapter saved without its head would score with the
+base's head: it is refused when loaded (`AdapterUnavailable`), never served silently wrong.
+
+Batches hold one adapter (the worker groups score tasks per (base, adapter)); each call cuts its pairs
+into model batches of `batch_size` pairs, shortest first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from lorafleet.adapters import AdapterUnavailable
+from lorafleet.config import BaseModelSpec
+from lorafleet.models import resolve_model_source
+from lorafleet.sidecar.runtime import Runtime
+from lorafleet.wire import SCORE
+
+log = logging.getLogger(__name__)
+
+FRESH_HEAD_SEED = 0  # the seed a head missing from the checkpoint is drawn from (the same on every worker)
+HEAD_MODULE = "classifier"  # BERT-style sequence classification head: what adapters must save
+_UNKNOWN = object()  # no adapter state known (after a load or unload, which may change it)
+
+
+def load_cross_encoder(source: str, device: str = "cpu", revision: str | None = None,
+                       max_length: int | None = None) -> Any:
+    """A CrossEncoder with one output from `source`; a head the checkpoint lacks is drawn from FRESH_HEAD_SEED
+    (the caller's RNG state is left as it was)."""
+    import torch
+    from sentence_transformers.cross_encoder import CrossEncoder
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(FRESH_HEAD_SEED)
+        model = CrossEncoder(source, num_labels=1, device=device, revision=revision, max_length=max_length)
+    model.model.eval()
+    return model
+
+
+def _saves_head(path: str) -> bool:
+    try:
+        config = json.loads((Path(path) / "adapter_config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise AdapterUnavailable(f"no readable adapter_config.json in {path}: {exc}") from exc
+    saved = config.get("modules_to_save") or []
+    return any(m == HEAD_MODULE or str(m).endswith(f".{HEAD_MODULE}") for m in saved)
+
+
+class CrossEncoderRuntime(Runtime):
+    """(query, document) pairs → relevance scores; LoRA adapters carry their own classification head."""
+
+    capabilities: ClassVar[frozenset[str]] = frozenset({SCORE})
+
+    def __init__(self, spec: BaseModelSpec, device: str = "cpu") -> None:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()  # the "newly initialized" report: this module's log line says it once
+        hf_logging.disable_progress_bar()
+        self.spec = spec
+        self.device = device
+        source = resolve_model_source(spec.source)
+        self.model = load_cross_encoder(source, device, spec.revision, spec.max_seq_length)
+        self.batch_size = int(spec.options.get("batch_size", 32)) if spec.options else 32
+        self._adapters: list[str] = []
+        # The adapter set on the model; None: adapters disabled (the bare base); _UNKNOWN: set it again.
+        self._active: str | object | None = _UNKNOWN
+        log.info("loaded cross-encoder base %s from %s on %s (max_length %s)", spec.name, source, device,
+                 self.max_length)
+
+    @property
+    def max_length(self) -> int | None:
+        """Pairs longer than this many tokens are truncated (the model's own limit)."""
+        return self.model.max_length
+
+    def _activate(self, adapter_id: str | None) -> None:
+        if adapter_id == self._active:
+            return
+        if adapter_id is not None and adapter_id not in self._adapters:
+            raise KeyError(f"adapter {adapter_id!r} is not loaded")
+        # transformers' enable_adapters/disable_adapters reach the LoRA layers but not peft's wrappers of the saved
+        # head (ModulesToSaveWrapper): a head disabled once would stay the base's. Switch both kinds here.
+        from peft.tuners.tuners_utils import BaseTunerLayer
+        from peft.utils.other import AuxiliaryTrainingWrapper
+
+        inner = self.model.model
+        if adapter_id is not None:
+            inner.set_adapter(adapter_id)
+        for module in inner.modules():
+            if isinstance(module, BaseTunerLayer | AuxiliaryTrainingWrapper):
+                module.enable_adapters(adapter_id is not None)
+        self._active = adapter_id
+
+    def score(self, pairs: list[tuple[str, str]], adapter_id: str | None) -> np.ndarray:
+        if not pairs:
+            return np.zeros(0, dtype=np.float32)
+        self._activate(adapter_id)
+        scores = self.model.predict([list(p) for p in pairs], batch_size=self.batch_size, show_progress_bar=False,
+                                    convert_to_numpy=True)
+        return np.asarray(scores, dtype=np.float32).reshape(len(pairs))
+
+    def load_adapter(self, adapter_id: str, path: str) -> None:
+        if adapter_id in self._adapters:
+            return
+        if not _saves_head(path):
+            raise AdapterUnavailable(f"adapter {adapter_id!r} at {path} does not save the '{HEAD_MODULE}' head "
+                                     "(train it with modules_to_save=['classifier']); it would score with a random "
+                                     "head")
+        try:
+            self.model.load_adapter(path, adapter_name=adapter_id)
+        except (ValueError, RuntimeError, KeyError) as exc:  # shapes or target modules of another base
+            self._forget(adapter_id)
+            raise AdapterUnavailable(f"adapter {adapter_id!r} does not fit base {self.spec.name!r}: {exc}") from exc
+        self._adapters.append(adapter_id)
+        self._active = _UNKNOWN  # loading may change the active adapter: set it again
+
+    def _forget(self, adapter_id: str) -> None:
+        with contextlib.suppress(Exception):  # nothing of it may have been added
+            self.model.model.delete_adapter(adapter_id)
+        self._active = _UNKNOWN
+
+    def unload_adapter(self, adapter_id: str) -> None:
+        if adapter_id not in self._adapters:
+            return
+        self._adapters.remove(adapter_id)
+        self.model.model.delete_adapter(adapter_id)
+        self._active = _UNKNOWN  # deleting may change the active adapter
+
+    def loaded_adapters(self) -> list[str]:
+        return list(self._adapters)
+
+    def close(self) -> None:
+        del self.model

@@ -1,0 +1,89 @@
+"""A score batch on a batch runtime (a cross-encoder), in the worker's main thread.
+
+Each score task is one chunk of a rerank request: a query and up to a few dozen documents. The pairs
+of every task in the batch are flattened and cut into runtime calls under the batch's token budget
+(`max_batch_tokens`, padded: pairs × longest pair), shortest pairs first, so many small requests share
+one forward pass and a long chunk does not pad everyone else's. Every pair of a chunk is estimated at
+the chunk's longest (`Task.tokens` / documents), what the gateway counted.
+
+A call that fails is retried task by task, so one bad chunk (or an OOM on a large call) fails only
+itself. A runtime that does not declare `score` refuses the task (`invalid_request`), never retried.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from lorafleet.sidecar.acks import Situation
+from lorafleet.sidecar.batcher import Batch
+from lorafleet.sidecar.runtime import Runtime
+from lorafleet.sidecar.settle import Outcome, Scores
+from lorafleet.wire import SCORE, ScoreParams
+
+log = logging.getLogger(__name__)
+
+Pair = tuple[str, str]
+
+
+def cut_pairs(lengths: list[int], budget: int) -> list[list[int]]:
+    """Indices of the pairs per runtime call: shortest first, each call's padded size (count × longest) within
+    `budget`; a pair longer than the whole budget goes alone."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    calls: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        n = max(lengths[i], 1)
+        if current and (len(current) + 1) * n > budget:
+            calls.append(current)
+            current = []
+        current.append(i)
+    if current:
+        calls.append(current)
+    return calls
+
+
+def _scores(runtime: Runtime, pairs: list[Pair], lengths: list[int], budget: int, adapter: str | None) -> np.ndarray:
+    out = np.empty(len(pairs), dtype=np.float32)
+    for call in cut_pairs(lengths, budget):
+        got = np.asarray(runtime.score([pairs[i] for i in call], adapter), dtype=np.float32)
+        if got.shape != (len(call),):
+            raise RuntimeError(f"runtime returned shape {got.shape} for {len(call)} pairs")
+        out[call] = got
+    return out
+
+
+def score_batch(runtime: Runtime, batch: Batch, live: list[int]) -> list[Outcome]:
+    """One Outcome per index in `live` (the batch's tasks still worth computing), in order."""
+    if SCORE not in runtime.capabilities:
+        return [Outcome(Situation.INVALID, message=f"base {batch.base!r} does not score (a {type(runtime).__name__})")
+                for _ in live]
+    tasks = [batch.items[i].task for i in live]
+    docs = [ScoreParams.of(t).documents for t in tasks]  # checked at intake
+    pairs: list[Pair] = []
+    lengths: list[int] = []
+    spans: list[tuple[int, int]] = []
+    for task, ds in zip(tasks, docs, strict=True):
+        per_pair = max(task.tokens // len(ds), 1)
+        spans.append((len(pairs), len(pairs) + len(ds)))
+        pairs.extend((task.text, d) for d in ds)
+        lengths.extend([per_pair] * len(ds))
+    budget = batch.profile.max_batch_tokens
+    try:
+        scores = _scores(runtime, pairs, lengths, budget, batch.adapter)
+        return [Outcome(Situation.OK, scores=Scores(np.ascontiguousarray(scores[a:b], dtype="<f4").tobytes()))
+                for a, b in spans]
+    except Exception as exc:
+        if len(tasks) == 1:
+            log.warning("score failed for one task: %r", exc)
+            return [Outcome(Situation.RUNTIME_FAILED, message=f"{type(exc).__name__}: {exc}")]
+        log.warning("score batch of %d tasks failed (%r); retrying them one by one", len(tasks), exc)
+    out: list[Outcome] = []
+    for a, b in spans:
+        try:
+            s = _scores(runtime, pairs[a:b], lengths[a:b], budget, batch.adapter)
+            out.append(Outcome(Situation.OK, scores=Scores(np.ascontiguousarray(s, dtype="<f4").tobytes())))
+        except Exception as exc:
+            out.append(Outcome(Situation.RUNTIME_FAILED, message=f"{type(exc).__name__}: {exc}"))
+    return out

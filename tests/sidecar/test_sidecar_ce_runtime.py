@@ -1,0 +1,153 @@
+"""The cross-encoder runtime (`score`) on a tiny random BERT: base and two LoRA adapters (each with its own
+classification head) equal CrossEncoder.predict, and an adapter saved and loaded again scores as before."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+
+from lorafleet import wire
+from lorafleet.adapters import AdapterUnavailable
+from lorafleet.config import BaseModelSpec
+from lorafleet.sidecar.ce_runtime import CrossEncoderRuntime, load_cross_encoder
+from lorafleet.sidecar.runtime import runtime_class
+from lorafleet.sidecar.scoring import cut_pairs
+
+PAIRS = [("wer zahlt den Kaufpreis?", "Der Käufer ist verpflichtet, den Kaufpreis zu zahlen."),
+         ("wer zahlt den Kaufpreis?", "kurz"),
+         ("quick fox", "The quick brown fox jumps over the lazy dog, again and again and again."),
+         ("quick fox", "")]
+
+
+def _lora(head: bool) -> object:
+    from peft import LoraConfig, TaskType
+
+    return LoraConfig(task_type=TaskType.SEQ_CLS, r=4, lora_alpha=8, target_modules=["query", "value"],
+                      modules_to_save=["classifier"] if head else None)
+
+
+def _randomize(model: object, seed: int, head: bool) -> None:
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.model.named_parameters():  # type: ignore[attr-defined]
+            if "lora_B" in name or (head and "modules_to_save" in name):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+             ) -> tuple[dict[str, Path], dict[str | None, np.ndarray]]:
+    """Two adapters (LoRA + own head) trained-by-noise in memory, their scores there, then saved to disk."""
+    import torch
+    from sentence_transformers.cross_encoder import CrossEncoder
+
+    out = tmp_path_factory.mktemp("ce-adapters")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)  # what every worker draws a missing head from (ce_runtime.FRESH_HEAD_SEED)
+        plain = CrossEncoder(str(tiny_model_dir), num_labels=1, device="cpu")
+    refs: dict[str | None, np.ndarray] = {None: plain.predict(PAIRS)}
+    paths: dict[str, Path] = {}
+    for name, seed in (("a", 1), ("b", 2)):
+        model = load_cross_encoder(str(tiny_model_dir))
+        model.add_adapter(_lora(head=True), adapter_name=name)
+        _randomize(model, seed, head=True)
+        model.model.set_adapter(name)
+        refs[name] = model.predict(PAIRS)
+        paths[name] = out / name
+        model.save_pretrained(str(paths[name]))
+    model = load_cross_encoder(str(tiny_model_dir))
+    model.add_adapter(_lora(head=False), adapter_name="headless")
+    _randomize(model, 3, head=False)
+    paths["headless"] = out / "headless"
+    model.save_pretrained(str(paths["headless"]))
+    return paths, refs
+
+
+def runtime(tiny_model_dir: Path) -> CrossEncoderRuntime:
+    return CrossEncoderRuntime(BaseModelSpec(name="tiny-ce", source=str(tiny_model_dir), runtime="cross-encoder"),
+                               device="cpu")
+
+
+def test_plugin_declares_score_only() -> None:
+    cls = runtime_class("cross-encoder")
+    assert cls is CrossEncoderRuntime and cls.capabilities == frozenset({wire.SCORE})
+
+
+def test_base_and_adapters_equal_crossencoder_predict(
+        tiny_model_dir: Path, adapters: tuple[dict[str, Path], dict[str | None, np.ndarray]]) -> None:
+    paths, refs = adapters
+    rt = runtime(tiny_model_dir)
+    assert rt.max_length == load_cross_encoder(str(tiny_model_dir)).max_length
+    rt.load_adapter("a", str(paths["a"]))
+    rt.load_adapter("b", str(paths["b"]))
+    for adapter in [None, "a", "b", None, "b", "a", None, "a"]:
+        got = rt.score(PAIRS, adapter)
+        assert got.dtype == np.float32 and got.shape == (len(PAIRS),)
+        np.testing.assert_allclose(got, refs[adapter], rtol=0, atol=1e-6, err_msg=str(adapter))
+    # The adapters really change the scores, and differently (their heads are their own).
+    assert np.abs(refs["a"] - refs[None]).max() > 1e-3 and np.abs(refs["a"] - refs["b"]).max() > 1e-3
+    rt.unload_adapter("a")
+    assert rt.loaded_adapters() == ["b"]
+    np.testing.assert_allclose(rt.score(PAIRS, "b"), refs["b"], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(rt.score(PAIRS, None), refs[None], rtol=0, atol=1e-6)
+    rt.close()
+
+
+def test_saved_adapter_carries_its_head_and_reloads_identically(
+        tiny_model_dir: Path, adapters: tuple[dict[str, Path], dict[str | None, np.ndarray]]) -> None:
+    from safetensors.torch import load_file
+
+    paths, refs = adapters
+    saved = load_file(str(paths["a"] / "adapter_model.safetensors"))
+    assert any("classifier" in k for k in saved), sorted(saved)
+    assert json.loads((paths["a"] / "adapter_config.json").read_text())["modules_to_save"] == ["classifier"]
+    first, second = runtime(tiny_model_dir), runtime(tiny_model_dir)  # two workers: the same base head too
+    first.load_adapter("a", str(paths["a"]))
+    second.load_adapter("x", str(paths["a"]))
+    np.testing.assert_array_equal(first.score(PAIRS, "a"), second.score(PAIRS, "x"))
+    np.testing.assert_array_equal(first.score(PAIRS, None), second.score(PAIRS, None))
+    np.testing.assert_allclose(second.score(PAIRS, "x"), refs["a"], rtol=0, atol=1e-6)
+
+
+def test_adapter_without_its_head_is_refused(
+        tiny_model_dir: Path, adapters: tuple[dict[str, Path], dict[str | None, np.ndarray]]) -> None:
+    paths, _ = adapters
+    rt = runtime(tiny_model_dir)
+    with pytest.raises(AdapterUnavailable, match="modules_to_save"):
+        rt.load_adapter("headless", str(paths["headless"]))
+    assert rt.loaded_adapters() == []
+
+
+def test_score_wire_is_strict() -> None:
+    task = wire.Task(id="r.0", request_id="r", index=0, model="m", base="m", text="q", tokens=10, deadline=1e12,
+                     reply="_INBOX.x", op=wire.SCORE, params=wire.ScoreParams(("d1", "d2")).to_params())
+    back = wire.Task.from_wire(task.to_wire())
+    assert back.op == wire.SCORE and wire.ScoreParams.of(back).documents == ("d1", "d2")
+    for bad in ({}, {"d": []}, {"d": ["ok", 3]}, {"d": "d1"}):
+        t = wire.Task.from_wire(task.to_wire())
+        t.params = bad
+        with pytest.raises(wire.MalformedTask):
+            wire.ScoreParams.of(wire.Task.from_wire(t.to_wire()))
+    scores = np.array([0.25, -1.5], dtype="<f4")
+    r = wire.Result.from_wire(wire.Result("r.0", 0, "w", scores=scores.tobytes()).to_wire())
+    assert r.check() is None and r.score_array().tolist() == [0.25, -1.5]
+    assert wire.Result("r.0", 0, "w", scores=b"abc").check() is not None
+    body = msgpack.unpackb(wire.Result("r.0", 0, "w", scores=scores.tobytes()).to_wire())
+    body["sc"] = "not bytes"
+    with pytest.raises(wire.WireError, match="'sc'"):
+        wire.Result.from_wire(msgpack.packb(body))
+
+
+def test_pairs_are_cut_under_the_token_budget() -> None:
+    lengths = [10, 50, 10, 50, 10, 200]
+    calls = cut_pairs(lengths, 100)
+    assert sorted(i for c in calls for i in c) == list(range(len(lengths)))
+    for c in calls:
+        assert len(c) == 1 or len(c) * max(lengths[i] for i in c) <= 100
+    assert [5] in calls  # longer than the whole budget: alone
