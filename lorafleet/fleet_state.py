@@ -18,6 +18,7 @@ import os
 import re
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import Field
@@ -63,6 +64,28 @@ class FleetStateError(RuntimeError):
     """The fleet state cannot be read or written (NATS unreachable, bucket missing, bad entry)."""
 
 
+DEFAULT_RETAIN_S = 7 * 24 * 3600.0
+DEFAULT_RETAIN_VERSIONS = 2
+RETIRED_KEPT = 64  # retired version numbers remembered per name (for 410 rather than 404); the oldest go first
+
+
+class RetainedVersion(StrictModel):
+    """A former champion still served under its pinned name NAME@N after a promote (issue 25): a client's index
+    built with it keeps working until it has re-embedded with the new version."""
+
+    version: str
+    base: str
+    adapter_id: str
+    adapter_uri: str
+    profile: ServingProfile | None = None
+    kind: str | None = None
+    system_prompt: str | None = None
+    chat_template: str | None = None
+    generation: dict[str, Any] | None = None
+    superseded: float = Field(description="When it stopped being the champion (epoch seconds).")
+    until: float | None = Field(None, description="Retired after this (epoch seconds); None: no time limit.")
+
+
 class FleetEntry(StrictModel):
     """What the fleet should serve under one name."""
 
@@ -81,9 +104,15 @@ class FleetEntry(StrictModel):
     chat_template: str | None = Field(None, description="Replaces the base's chat template for this name.")
     generation: dict[str, Any] | None = Field(None, description="Defaults for parameters a request leaves out "
                                               "(max_tokens, temperature, top_p): what the bundle was scored with.")
+    # Issue 25: former champions still served as NAME@N (most recently superseded first), and versions once served
+    # here and no longer (a pinned request for one is answered 410, not 404). Written by promote/rollback only.
+    retained: list[RetainedVersion] = Field(default_factory=list)
+    retired: list[str] = Field(default_factory=list)
 
     def to_bytes(self) -> bytes:
-        return self.model_dump_json().encode()
+        # Without retention keys when empty: an entry that retains nothing stays readable by older processes.
+        empty = {k for k in ("retained", "retired") if not getattr(self, k)}
+        return self.model_dump_json(exclude=empty or None).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> FleetEntry:
@@ -94,8 +123,65 @@ class FleetEntry(StrictModel):
                            profile=self.profile)
 
 
+    def retained_as_entry(self, kept: RetainedVersion) -> FleetEntry:
+        """A retained version as the live entry it once was (what a gateway routes NAME@N by)."""
+        return self.model_copy(update={
+            "base": kept.base, "adapter_id": kept.adapter_id, "adapter_uri": kept.adapter_uri, "profile": kept.profile,
+            "version": kept.version, "kind": kept.kind, "system_prompt": kept.system_prompt,
+            "chat_template": kept.chat_template, "generation": kept.generation, "retained": [], "retired": []})
+
+
 def adapter_id_for(name: str, version: str | int) -> str:
     return f"{name}@v{version}"
+
+
+@dataclass(frozen=True)
+class Retention:
+    """How long a former champion stays served as NAME@N after a promote or rollback: at most `seconds` after it
+    was superseded and only while it is among the `versions` most recently superseded (None: no such limit; 0
+    versions or 0 seconds: the old version is retired at once)."""
+
+    seconds: float | None = DEFAULT_RETAIN_S
+    versions: int | None = DEFAULT_RETAIN_VERSIONS
+
+    def describe(self) -> str:
+        when = "no time limit" if self.seconds is None else f"{self.seconds / 86400:g} days" \
+            if self.seconds >= 86400 else f"{self.seconds:g}s"
+        count = "any number of" if self.versions is None else str(self.versions)
+        return f"{when}, {count} former version(s)"
+
+
+def retained_live(entry: FleetEntry, now: float) -> list[RetainedVersion]:
+    """The retained versions of `entry` whose time has not run out at `now` (the gateway checks per request:
+    nobody writes the fleet state when a window ends)."""
+    return [r for r in entry.retained if r.until is None or r.until > now]
+
+
+def with_retention(old: FleetEntry | None, new: FleetEntry, retention: Retention, now: float) -> FleetEntry:
+    """The entry to write when `new` replaces `old` as the live entry: the previous champion joins the retained
+    versions (for the retention window), those past their time or beyond the count move to `retired`, and the new
+    version leaves both lists (it is live again). Pure: promote calls it under the name's lock, on the entry it
+    compare-and-sets against."""
+    kept = list(old.retained) if old is not None else []
+    retired = list(old.retired) if old is not None else []
+    if old is not None and old.version != new.version:
+        until = None if retention.seconds is None else now + retention.seconds
+        kept.insert(0, RetainedVersion(
+            version=old.version, base=old.base, adapter_id=old.adapter_id, adapter_uri=old.adapter_uri,
+            profile=old.profile, kind=old.kind, system_prompt=old.system_prompt, chat_template=old.chat_template,
+            generation=old.generation, superseded=now, until=until))
+    seen: set[str] = {new.version}
+    unique = []
+    for r in kept:  # most recently superseded first: an older record of the same version goes
+        if r.version not in seen:
+            seen.add(r.version)
+            unique.append(r)
+    live = [r for r in unique if r.until is None or r.until > now]
+    if retention.versions is not None:
+        live = live[: retention.versions]
+    gone = [r.version for r in unique if r not in live]
+    retired = [v for v in dict.fromkeys([*gone, *retired]) if v != new.version][:RETIRED_KEPT]
+    return new.model_copy(update={"retained": live, "retired": retired})
 
 
 def is_served_key(key: str) -> bool:
@@ -132,8 +218,16 @@ def merge_models(static: Iterable[ServedModel], entries: Iterable[FleetEntry], b
 
 
 def by_adapter_id(entries: Iterable[FleetEntry]) -> dict[str, ServedModel]:
-    """What a worker needs per adapter id: URI and serving profile of every promoted version."""
-    return {e.adapter_id: e.served_model() for e in entries}
+    """What a worker needs per adapter id: URI and serving profile of every promoted version, the retained former
+    champions included (their pinned requests load them on demand like any adapter)."""
+    out = {}
+    for e in entries:
+        for kept in e.retained:
+            out[kept.adapter_id] = ServedModel(name=f"{e.name}@{kept.version}", base=kept.base,
+                                               adapter=kept.adapter_uri, adapter_id=kept.adapter_id,
+                                               profile=kept.profile)
+        out[e.adapter_id] = e.served_model()
+    return out
 
 
 async def ensure_fleet_bucket(js: Any, bucket: str = FLEET_KV_BUCKET, *, replicas: int = 1) -> Any:

@@ -53,3 +53,30 @@ def parse_models_uri(uri: str) -> ModelRef:
 
 def version_uri(name: str, version: str | int) -> str:
     return f"{MODELS_SCHEME}{name}/{version}"
+
+
+# A pinned served name (the HTTP API, `lorafleet embed -m`): NAME@N asks for exactly version N of NAME, where the
+# plain NAME follows the champion. Only digits after the @: `NAME@champion` is the registry's alias syntax, and
+# the served alias is the plain name.
+PINNED_SYNTAX = "NAME@N (a served name, @, a version number: e.g. german-legal@4)"
+
+
+class PinnedNameError(ValueError):
+    """`NAME@…` that is not NAME@N."""
+
+
+def parse_pinned(text: str) -> tuple[str, str] | None:
+    """(NAME, N) of a pinned name `NAME@N`; None for a name without @; PinnedNameError naming the syntax for a
+    malformed one (`NAME@`, `NAME@x`, `@3`)."""
+    if "@" not in text:
+        return None
+    name, _, version = text.rpartition("@")
+    if not NAME_RE.match(name) or not version.isdigit() or "@" in name:
+        raise PinnedNameError(f"{text!r} is not a pinned model name; use {PINNED_SYNTAX}, or the plain NAME for the "
+                              "current version")
+    return name, str(int(version))  # NAME@04 is NAME@4, as the registry numbers it
+
+
+def pinned_name(name: str, version: str | int) -> str:
+    """What a client types to reach exactly this version, and what every response of it names."""
+    return f"{name}@{version}"

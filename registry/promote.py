@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,11 +44,13 @@ from lorafleet.config import FleetConfig, ServingProfile, load_yaml_model
 from lorafleet.fleet_state import (
     FleetEntry,
     FleetStateError,
+    Retention,
     adapter_id_for,
     delete_staged,
     open_fleet_bucket,
     put_staged,
     read_entry,
+    with_retention,
     write_entry,
 )
 from lorafleet.nats_auth import CREDS_SUFFIX, explain_connect_error
@@ -112,6 +115,7 @@ class FleetTarget:
     source: str
     client: ClientSettings = field(default_factory=ClientSettings)  # control: writing the fleet bucket is its job
     heartbeat_s: float = 1.0  # the workers' heartbeat period (the fleet file's), for how long preload listens
+    retention: Retention = field(default_factory=Retention)  # the fleet file's gateway.retain_s/retain_versions
 
 
 @dataclass(frozen=True)
@@ -153,7 +157,8 @@ def find_fleet(nats_url: str | None = None, fleet_file: Path | None = None, cred
 def _target(url: str, fleet: FleetConfig | None, source: str, client: ClientSettings) -> FleetTarget:
     if fleet is None:
         return FleetTarget(url, None, source, client)
-    return FleetTarget(url, [b.name for b in fleet.bases], source, client, fleet.worker.heartbeat_s)
+    return FleetTarget(url, [b.name for b in fleet.bases], source, client, fleet.worker.heartbeat_s,
+                       Retention(fleet.gateway.retain_s, fleet.gateway.retain_versions))
 
 
 async def _heartbeat_bases(nc: object, wait_s: float = 2.5) -> list[str]:
@@ -202,6 +207,9 @@ class Agreement:
     history: tuple[str, ...]
     revision: int = 0
     repaired: bool = False  # this is the state after a repair of a disagreement
+    # The live entry as read (its retained versions carry over to the next write); not part of key(): the revision
+    # already says whether it changed.
+    entry: FleetEntry | None = field(default=None, compare=False)
 
     @property
     def agrees(self) -> bool:
@@ -240,21 +248,26 @@ async def _snapshot(kv: object, name: str) -> Agreement:
     champion = await asyncio.to_thread(store.alias_version, name, CHAMPION)
     history = tuple(await asyncio.to_thread(store.champion_history, name))
     entry, revision = await read_entry(kv, name)
-    return Agreement(name, champion, entry.version if entry is not None else None, history, revision)
+    return Agreement(name, champion, entry.version if entry is not None else None, history, revision, entry=entry)
 
 
-async def _repair(kv: object, state: Agreement) -> Agreement:
-    """Make the fleet entry and the history follow the alias (under the name's lock)."""
+async def _repair(kv: object, state: Agreement, retention: Retention | None = None) -> Agreement:
+    """Make the fleet entry and the history follow the alias (under the name's lock); the version it replaces is
+    retained like a promote's (pinned clients of it keep working)."""
     assert state.champion is not None  # agrees otherwise
     revision = state.revision
+    entry = state.entry
     if state.served != state.champion:
         info, spec = await asyncio.to_thread(store.bundle_spec, state.name, state.champion)
-        revision = await write_entry(kv, _entry(info, spec.base.name, spec.profile, "set", spec), last=revision)
+        entry = with_retention(state.entry, _entry(info, spec.base.name, spec.profile, "set", spec),
+                               retention or Retention(), time.time())
+        revision = await write_entry(kv, entry, last=revision)
     history = repaired_history(state.history, state.champion)
     if history != state.history:
         await asyncio.to_thread(store.set_champion_history, state.name, list(history))
     log.warning("%s: repaired the disagreement %s", state.name, state.describe())
-    return dataclasses.replace(state, served=state.champion, history=history, revision=revision, repaired=True)
+    return dataclasses.replace(state, served=state.champion, history=history, revision=revision, repaired=True,
+                               entry=entry)
 
 
 # -- promote / rollback ---------------------------------------------------------------------------
@@ -353,7 +366,7 @@ async def _switch_locked(nc: object, kv: object, lock: HeldLock, target: FleetTa
         found = state
         say(f"{name}: the registry and the fleet disagree ({state.describe()}): the fleet state follows the "
             "champion alias again first")
-        state = await _repair(kv, state)
+        state = await _repair(kv, state, target.retention)
     info, history, gate = await asyncio.to_thread(decide, state)
     _, spec = await asyncio.to_thread(store.bundle_spec, info.name, info.version)
     if spec.base.name not in bases:
@@ -367,6 +380,9 @@ async def _switch_locked(nc: object, kv: object, lock: HeldLock, target: FleetTa
         if fresh.key() != state.key():
             raise PromotionError(f"{name} changed while the preload ran (was: {state.describe()}; now: "
                                  f"{fresh.describe()}); nothing changed. Run it again")
+        # The champion it replaces stays served as NAME@N for the retention window (issue 25): carried in the
+        # entry written by this compare-and-set, so every gateway agrees and a restart keeps it.
+        entry = with_retention(fresh.entry, entry, target.retention, time.time())
         await asyncio.to_thread(_move, name, info.version, history)
         try:
             await write_entry(kv, entry, last=fresh.revision)
@@ -404,6 +420,13 @@ async def _switch(target: FleetTarget, name: str, action: Literal["promote", "ro
             await nc.close()  # type: ignore[attr-defined]
 
 
+def _with_retention(target: FleetTarget, retention: Retention | None,
+                    changes: dict[str, float | int | None] | None = None) -> FleetTarget:
+    """`retention` replaces the fleet file's; `changes` (`--retain`, `--retain-versions`) replace single fields."""
+    chosen = retention if retention is not None else target.retention
+    return dataclasses.replace(target, retention=dataclasses.replace(chosen, **(changes or {})))  # type: ignore[arg-type]
+
+
 def _gate_or_refuse(info: VersionInfo, champion: str | None, margin: float, force: bool) -> GateResult:
     gate = check_gate(info, store.get_version(info.name, champion) if champion is not None else None, margin)
     if not gate.ok and not force:
@@ -414,16 +437,18 @@ def _gate_or_refuse(info: VersionInfo, champion: str | None, margin: float, forc
 
 def promote(name: str, version: str | int | None = None, *, force: bool = False, margin: float | None = None,
             nats_url: str | None = None, fleet_file: Path | None = None, creds: Path | None = None,
-            preload: Preload | None = None) -> Outcome:
+            preload: Preload | None = None, retention: Retention | None = None,
+            retention_changes: dict[str, float | int | None] | None = None) -> Outcome:
     """Gate, preload on the workers of its base, move `champion` to the version (default: the `candidate` alias,
     else the newest), publish live. The gate runs once before connecting (a refusal needs no cluster) and again
-    under the name's lock, against the champion as it is then."""
+    under the name's lock, against the champion as it is then. The champion it replaces stays served as NAME@N
+    for `retention` (default: the fleet file's gateway.retain_s / retain_versions)."""
     margin = default_margin() if margin is None else margin
     if version is None:
         version = store.alias_version(name, CANDIDATE)
     info = store.get_version(name, version)
     _gate_or_refuse(info, store.alias_version(name, CHAMPION), margin, force)
-    target = find_fleet(nats_url, fleet_file, creds)
+    target = _with_retention(find_fleet(nats_url, fleet_file, creds), retention, retention_changes)
 
     def decide(state: Agreement) -> tuple[VersionInfo, tuple[str, ...], GateResult | None]:
         gate = _gate_or_refuse(info, state.champion, margin, force)
@@ -436,11 +461,12 @@ def promote(name: str, version: str | int | None = None, *, force: bool = False,
 
 
 def rollback(name: str, *, nats_url: str | None = None, fleet_file: Path | None = None,
-             creds: Path | None = None, preload: Preload | None = None) -> Outcome:
+             creds: Path | None = None, preload: Preload | None = None, retention: Retention | None = None,
+             retention_changes: dict[str, float | int | None] | None = None) -> Outcome:
     """Move `champion` back to the version that held it before, and publish that live (after a preload that
     goes ahead on timeout)."""
     rollback_target(name, store.alias_version(name, CHAMPION), tuple(store.champion_history(name)))  # fail early
-    target = find_fleet(nats_url, fleet_file, creds)
+    target = _with_retention(find_fleet(nats_url, fleet_file, creds), retention, retention_changes)
 
     def decide(state: Agreement) -> tuple[VersionInfo, tuple[str, ...], GateResult | None]:
         version, history = rollback_target(name, state.champion, state.history)
@@ -468,7 +494,7 @@ def check(name: str, *, nats_url: str | None = None, fleet_file: Path | None = N
             try:
                 async with promote_lock(kv, name, "repair"):
                     state = await _snapshot(kv, name)
-                    return state if state.agrees else await _repair(kv, state)
+                    return state if state.agrees else await _repair(kv, state, target.retention)
             except LockBusy as exc:
                 raise PromotionError(str(exc)) from exc
         finally:

@@ -180,7 +180,7 @@ class Gateway:
 
         def on_change(table: dict[str, Any]) -> None:
             self.resolver.set_models(merge_models(self.fleet.models, table.values(), self.resolver.bases),
-                                     specialists(table.values()))
+                                     specialists(table.values()), table.values())
             log.info("fleet state: serving %s", ", ".join(self.resolver.served_names()))
 
         try:
@@ -260,7 +260,7 @@ class Gateway:
     # ---- request path ------------------------------------------------------------------------
 
     def resolve(self, name: str) -> Route:
-        route = self.resolver.resolve(name)
+        route = self.resolver.resolve(name) or self.resolver.resolve_pinned(name)  # NAME@N: 400/404/410 (issue 25)
         if route is None:
             names = ", ".join(self.resolver.served_names())
             raise ApiError(404, "model_not_found", f"model {clip(name)!r} is not served here; served models: {names}")
@@ -301,8 +301,15 @@ class Gateway:
     async def embed(self, route: Route, inputs: list[str], deadline_s: float) -> tuple[list[wire.Result], int]:
         """Publish one task per input and return the results in input order plus the prompt tokens."""
         counts = await self._count_tokens(route, inputs)
+        return await self.run_tasks(route, inputs, counts, deadline_s), sum(counts)
+
+    async def run_tasks(self, route: Route, texts: list[str], counts: list[int], deadline_s: float,
+                        op: str = wire.EMBED, params: list[dict[str, Any]] | None = None) -> list[wire.Result]:
+        """Publish one task per text (of capability `op`, with its `params`) and return the results in order:
+        admitted whole or refused (429), answered in full or failed explicitly (504 past the deadline, the
+        first worker error otherwise)."""
         js = self._check_available(route.base)
-        n = len(inputs)
+        n = len(texts)
         self._admit(route.base, n, deadline_s)
         self._admit_room(route.base, n)
         request_id = uuid.uuid4().hex
@@ -313,8 +320,9 @@ class Gateway:
         payloads = [
             wire.Task(id=ids[i], request_id=request_id, index=i, model=route.name, base=route.base, text=text,
                       tokens=counts[i], deadline=now + deadline_s, reply=reply, adapter=route.adapter,
-                      adapter_uri=route.adapter_uri, enqueued=now).to_wire()
-            for i, text in enumerate(inputs)
+                      adapter_uri=route.adapter_uri, enqueued=now, op=op,
+                      params=params[i] if params is not None else None).to_wire()
+            for i, text in enumerate(texts)
         ]
         pending = self.pending.add(request_id, route.base, n, deadline_s)  # before publishing: replies may be fast
         try:
@@ -339,7 +347,7 @@ class Gateway:
         finally:
             self.pending.discard(request_id)
         if value is None:
-            return pending.results, sum(counts)  # type: ignore[return-value]  # all slots filled
+            return pending.results  # type: ignore[return-value]  # all slots filled
         if value is TIMEOUT:
             raise deadline_error(deadline_s, pending.filled, n)
         assert isinstance(value, wire.Result) and value.error_code is not None
@@ -349,6 +357,9 @@ class Gateway:
         """400 naming the right route when the model does not do what this route asks."""
         info = self.bases[route.base]
         if info.capability != capability:
+            if info.capability == wire.SCORE:
+                raise bad_request("wrong_route", f"model {route.name!r} is a reranker (it scores query-document "
+                                  "pairs); use POST /v1/rerank")
             if info.capability == wire.GENERATE:
                 raise bad_request("wrong_route", f"model {route.name!r} generates text; use POST "
                                   f"{ROUTE_OF['chat']} or POST {ROUTE_OF['completion']}")

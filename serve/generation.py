@@ -49,9 +49,9 @@ def prepare(body: GenerationBody, route: Route, prompts: CausalPrompts) -> Prepa
         try:
             prompt = prompts.render(messages, spec.chat_template if spec is not None else None)
         except CausalLMError as exc:
-            raise bad_request("no_chat_template", f"model {route.name!r}: {exc}") from exc
+            raise bad_request("no_chat_template", f"model {route.model!r}: {exc}") from exc
         except Exception as exc:  # a template that raises on this conversation (e.g. roles out of order)
-            raise bad_request("invalid_messages", f"model {route.name!r} cannot render these messages with its "
+            raise bad_request("invalid_messages", f"model {route.model!r} cannot render these messages with its "
                               f"chat template: {exc}") from exc
         chat = True
     else:
@@ -60,13 +60,13 @@ def prepare(body: GenerationBody, route: Route, prompts: CausalPrompts) -> Prepa
     n = prompts.count(prompt, chat)
     context = prompts.context
     if n >= context:
-        raise bad_request("context_length_exceeded", f"model {route.name!r} has a context of {context} tokens; "
+        raise bad_request("context_length_exceeded", f"model {route.model!r} has a context of {context} tokens; "
                           f"this {'conversation' if chat else 'prompt'} has {n} tokens: shorten it")
     if body.max_tokens is not None:
         max_tokens = body.max_tokens
         if n + max_tokens > context:
             raise bad_request("context_length_exceeded",
-                              f"model {route.name!r} has a context of {context} tokens; the prompt has {n} tokens "
+                              f"model {route.model!r} has a context of {context} tokens; the prompt has {n} tokens "
                               f"and max_tokens is {max_tokens}: lower max_tokens to at most {context - n} or "
                               "shorten the prompt")
     else:

@@ -237,7 +237,7 @@ class RerankRoutes:
                 body: Any = [{"index": i, "score": float(out.scores[i]),
                               **({"text": req.documents[i]} if req.return_documents else {})} for i in order]
             else:
-                body = {"model": route.name,
+                body = {"model": route.model,  # the exact version that scored (NAME@N)
                         "results": [{"index": i, "relevance_score": float(out.scores[i]),
                                      **({"document": {"text": req.documents[i]}} if req.return_documents else {})}
                                     for i in order],
@@ -267,7 +267,7 @@ class RerankRoutes:
             self.gw.require(route, wire.SCORE)
             req = parse_score(await read_body(request, self.gw.cfg.max_body_bytes), self.gw.cfg.max_rerank_documents)
             out = await score(self.gw, route, req.query, req.documents, self._deadline(request, req.deadline_ms))
-            body = wire.pack({"model": route.name, "scores": out.scores.astype("<f4").tobytes(),
+            body = wire.pack({"model": route.model, "scores": out.scores.astype("<f4").tobytes(),
                               "prompt_tokens": out.tokens, "truncated": out.truncated})
             response = Response(body, media_type=MSGPACK)
         except ApiError as exc:

@@ -37,6 +37,7 @@ from lorafleet.serve.gateway import Gateway
 from lorafleet.serve.generation import Generation
 from lorafleet.serve.metrics import CONTENT_TYPE
 from lorafleet.serve.parsing import deadline_seconds, parse_embeddings, parse_encode
+from lorafleet.serve.rerank import RerankRoutes
 
 log = logging.getLogger("lorafleet.serve")
 
@@ -72,7 +73,7 @@ class Routes:
             else:
                 data = [{"object": "embedding", "index": i, "embedding": r.array()} for i, r in enumerate(results)]
             body = orjson.dumps(
-                {"object": "list", "data": data, "model": route.name,
+                {"object": "list", "data": data, "model": route.model,
                  "usage": {"prompt_tokens": tokens, "total_tokens": tokens}},
                 option=orjson.OPT_SERIALIZE_NUMPY,
             )
@@ -96,7 +97,7 @@ class Routes:
             deadline_s = deadline_seconds(request.headers.get(DEADLINE_HEADER), req.deadline_ms,
                                           self.gw.cfg.default_deadline_s, self.gw.cfg.max_deadline_s)
             results, tokens = await self.gw.embed(route, req.inputs, deadline_s)
-            body = wire.encode_response(route.name, [r.vector or b"" for r in results], results[0].dim, tokens)
+            body = wire.encode_response(route.model, [r.vector or b"" for r in results], results[0].dim, tokens)
             response = Response(body, media_type=MSGPACK)
         except ApiError as exc:
             response = exc.response()
@@ -124,7 +125,7 @@ class Routes:
                                           self.gw.cfg.default_deadline_s, self.gw.cfg.max_deadline_s)
             prepared = await self.gw.prepare(route, body)
             generation = await self.gw.generate(route, prepared, deadline_s)
-            shaper = Shaper(body.kind, route.name, generation.request_id)
+            shaper = Shaper(body.kind, route.model, generation.request_id)  # the exact version: NAME@N
             if body.stream:  # counted when the stream ends
                 return StreamingResponse(self._events(generation, shaper, body.include_usage, model, t0),
                                          media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -184,14 +185,29 @@ class Routes:
             self.gw.keys.check(request.headers.get("authorization"))
         except ApiError as exc:
             return exc.response()
-        data = [
-            {"id": r.name, "object": "model", "created": self.gw.created, "owned_by": "lorafleet", "root": r.base,
-             "adapter": r.adapter, "kind": info.kind if (info := self.gw.bases.get(r.base)) else None,
-             "capability": info.capability if info else None,
-             **({"context_length": info.prompts.context} if info and info.prompts else {})}
-            for r in self.gw.resolver.routes()
-        ]
-        return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
+        return Response(orjson.dumps({"object": "list", "data": self._model_list()}), media_type="application/json")
+
+    def _model_list(self) -> list[dict[str, Any]]:
+        """Every served name; a promoted one with the `version` it points to, then each of its pinned versions
+        (NAME@N, `pinned_to` the name, `retires` when its window ends: epoch seconds, None for the champion)."""
+        now = time.time()
+        pins = self.gw.resolver.pinned()
+
+        def row(r: Any, ident: str, **extra: Any) -> dict[str, Any]:
+            info = self.gw.bases.get(r.base)
+            return {"id": ident, "object": "model", "created": self.gw.created, "owned_by": "lorafleet",
+                    "root": r.base, "adapter": r.adapter, "kind": info.kind if info else None,
+                    "capability": info.capability if info else None,
+                    **({"context_length": info.prompts.context} if info and info.prompts else {}), **extra}
+
+        data = []
+        for r in self.gw.resolver.routes():
+            data.append(row(r, r.name, **({"version": r.version} if r.version is not None else {})))
+            pinned = pins.get(r.name)
+            for v in pinned.live(now) if pinned is not None else ():
+                data.append(row(pinned.routes[v], pinned.routes[v].model, version=v, pinned_to=r.name,
+                                retires=pinned.until.get(v)))
+        return data
 
     async def healthz(self, request: Request) -> Response:
         return JSONResponse({"status": "ok", "gateway_id": self.gw.gateway_id})
@@ -263,6 +279,7 @@ def create_app(fleet: FleetConfig, *, nats_url: str | None = None, gateway_id: s
     """
     gateway = Gateway(fleet, nats_url=nats_url, gateway_id=gateway_id, client=client)
     r = Routes(gateway)
+    rr = RerankRoutes(gateway)  # serve/rerank.py
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -277,6 +294,10 @@ def create_app(fleet: FleetConfig, *, nats_url: str | None = None, gateway_id: s
         HttpRoute("/v1/encode/{model}", r.encode, methods=["POST"]),
         HttpRoute("/v1/chat/completions", r.chat_completions, methods=["POST"]),
         HttpRoute("/v1/completions", r.completions, methods=["POST"]),
+        HttpRoute("/v1/rerank", rr.rerank, methods=["POST"]),
+        HttpRoute("/v2/rerank", rr.rerank, methods=["POST"]),
+        HttpRoute("/rerank", rr.rerank_any, methods=["POST"]),
+        HttpRoute("/v1/score/{model}", rr.score, methods=["POST"]),
         HttpRoute("/v1/models", r.models, methods=["GET"]),
         HttpRoute("/healthz", r.healthz, methods=["GET"]),
         HttpRoute("/readyz", r.readyz, methods=["GET"]),

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import typer
 
 if TYPE_CHECKING:
+    from lorafleet.fleet_state import FleetEntry
     from lorafleet.registry.promote import Agreement, Preload
 
 registry_app = typer.Typer(help="Bundles registered in MLflow: versions, aliases, headline metrics.",
@@ -30,6 +31,67 @@ def _preload(no_preload: bool, timeout_s: float) -> Preload:
     if timeout_s <= 0:
         _fail(f"--preload-timeout {timeout_s:g}: must be more than 0 seconds (or pass --no-preload)")
     return Preload(enabled=not no_preload, timeout_s=timeout_s, progress=typer.echo)
+
+
+RETAIN_HELP = ("How long the version this replaces stays served as NAME@N for clients pinned to it: 7d, 12h, 30m, "
+               "90s, 0 (retire at once) or forever (default: the fleet file's gateway.retain_s, else 7 days).")
+RETAIN_VERSIONS_HELP = ("At most this many former champions stay served as NAME@N (default: the fleet file's "
+                        "gateway.retain_versions, else 2).")
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
+
+
+def parse_duration(text: str) -> float | None:
+    """Seconds of `7d`, `12h`, `30m`, `90s`, `45` (seconds); None for `forever`/`none`; ValueError otherwise."""
+    t = text.strip().lower()
+    if t in ("forever", "none", "never"):
+        return None
+    unit = _UNITS.get(t[-1:])
+    number = t[:-1] if unit is not None else t
+    try:
+        value = float(number) * (unit or 1.0)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a duration; use e.g. 7d, 12h, 30m, 90s, 0 or forever") from None
+    if value < 0:
+        raise ValueError(f"{text!r}: a duration cannot be negative")
+    return value
+
+
+def _retention_changes(retain: str | None, retain_versions: int | None) -> dict[str, float | int | None]:
+    changes: dict[str, float | int | None] = {}
+    if retain is not None:
+        try:
+            changes["seconds"] = parse_duration(retain)
+        except ValueError as exc:
+            _fail(f"--retain {exc}")
+    if retain_versions is not None:
+        if retain_versions < 0:
+            _fail(f"--retain-versions {retain_versions}: must be 0 or more")
+        changes["versions"] = retain_versions
+    return changes
+
+
+def _when(t: float) -> str:
+    import time
+
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t))
+
+
+def client_notes(entry: FleetEntry, previous: str | None) -> list[str]:
+    """What changed for clients of `entry.name` (printed by promote and rollback): the version the plain name
+    answers with now, which former versions stay served as NAME@N and until when, how to re-index."""
+    name = entry.name
+    lines = [f"clients: {name} now answers with v{entry.version} (responses name {name}@{entry.version}); "
+             f"pin it as {name}@{entry.version}"]
+    for kept in entry.retained:
+        until = f"until {_when(kept.until)}" if kept.until is not None else "with no time limit"
+        lines.append(f"  {name}@{kept.version} is still served {until}, or until newer versions replace it")
+    if previous is not None and previous != entry.version:
+        if all(k.version != previous for k in entry.retained):
+            lines.append(f"  {name}@{previous} is retired now: pinned requests for it get 410 version_retired")
+        if entry.kind != "causal-lm":  # vectors of different versions live in different spaces
+            lines.append(f"  re-index: embed your corpus with model {name}@{entry.version}, switch your index to "
+                         f"it, then stop using {name}@{previous} (docs/ship.md, 'Re-indexing after a promote')")
+    return lines
 
 
 CREDS_HELP = ("NATS credential with the control role (default: $LORAFLEET_NATS_CREDS, else "
@@ -91,6 +153,8 @@ def promote(
     no_preload: bool = typer.Option(False, "--no-preload", help=NO_PRELOAD_HELP),
     preload_timeout: float = typer.Option(120.0, "--preload-timeout", help=PRELOAD_TIMEOUT_HELP + " A worker that "
                                           "does not confirm in time fails the promotion, nothing changed."),
+    retain: str = typer.Option(None, "--retain", help=RETAIN_HELP),
+    retain_versions: int = typer.Option(None, "--retain-versions", help=RETAIN_VERSIONS_HELP),
 ) -> None:
     """Quality gate → preload on the base's workers → alias 'champion' → live fleet state: gateways and workers
     switch without a restart, and the first requests to the new version do not wait for a download."""
@@ -99,9 +163,10 @@ def promote(
 
     echo_home()
     preload = _preload(no_preload, preload_timeout)
+    changes = _retention_changes(retain, retain_versions)
     try:
         out = do_promote(name, version, force=force, margin=margin, nats_url=nats_url, fleet_file=fleet,
-                         creds=creds, preload=preload)
+                         creds=creds, preload=preload, retention_changes=changes)
     except _errors() as exc:
         _fail(str(exc))
         return
@@ -116,6 +181,8 @@ def promote(
     was = f" (was v{out.previous})" if out.previous and out.previous != out.version else ""
     typer.echo(f"{name}: champion → v{out.version}{was}; fleet state published to {out.nats_url} "
                f"(adapter {out.entry.adapter_id}, base {out.entry.base})")
+    for line in client_notes(out.entry, out.previous):
+        typer.echo(line)
 
 
 def rollback(
@@ -126,19 +193,25 @@ def rollback(
     no_preload: bool = typer.Option(False, "--no-preload", help=NO_PRELOAD_HELP),
     preload_timeout: float = typer.Option(120.0, "--preload-timeout", help=PRELOAD_TIMEOUT_HELP + " A rollback "
                                           "goes ahead after it, naming the workers that did not confirm."),
+    retain: str = typer.Option(None, "--retain", help=RETAIN_HELP),
+    retain_versions: int = typer.Option(None, "--retain-versions", help=RETAIN_VERSIONS_HELP),
 ) -> None:
     """Move 'champion' back to the previous champion version, live (preloaded on the base's workers first)."""
     from lorafleet.registry.promote import rollback as do_rollback
 
     preload = _preload(no_preload, preload_timeout)
+    changes = _retention_changes(retain, retain_versions)
     try:
-        out = do_rollback(name, nats_url=nats_url, fleet_file=fleet, creds=creds, preload=preload)
+        out = do_rollback(name, nats_url=nats_url, fleet_file=fleet, creds=creds, preload=preload,
+                          retention_changes=changes)
     except _errors() as exc:
         _fail(str(exc))
         return
     _said_repaired(out.repaired)
     typer.echo(f"{name}: champion → v{out.version} (rolled back from v{out.previous}); fleet state published to "
                f"{out.nats_url}")
+    for line in client_notes(out.entry, out.previous):
+        typer.echo(line)
 
 
 def _said_repaired(found: Agreement | None) -> None:

@@ -1,4 +1,4 @@
-"""`lorafleet up`, `down`, `status`, `embed`: the local cluster and a client for it."""
+"""`lorafleet up`, `down`, `status`, `embed`, `rerank`: the local cluster and a client for it."""
 
 from __future__ import annotations
 
@@ -146,7 +146,8 @@ def down(timeout: float = typer.Option(30.0, help="Seconds workers get to finish
 
 def embed(
     texts: list[str] = typer.Argument(..., help="Texts to embed."),
-    model: str = typer.Option(..., "--model", "-m", help="Served name: a base model or a promoted bundle."),
+    model: str = typer.Option(..., "--model", "-m", help="Served name: a base model or a promoted bundle, or "
+                              "NAME@N for exactly version N of it (what production indexes pin)."),
     url: str = typer.Option(None, "--url", help="Gateway URL (default: the local cluster's, else :8080)."),
     as_json: bool = typer.Option(False, "--json", help="Print the full OpenAI-style JSON response."),
     api_key: str = typer.Option(None, "--api-key", envvar="LORAFLEET_API_KEY", help="Bearer key, if set."),
@@ -189,6 +190,56 @@ def embed(
     sys.stdout.flush()
 
 
+def rerank(
+    query: str = typer.Argument(..., help="The query to rank the documents against."),
+    documents: list[str] = typer.Argument(..., help="Documents to rank."),
+    model: str = typer.Option(..., "--model", "-m", help="Served name of a reranker (a cross-encoder base or a "
+                              "bundle on one)."),
+    top_n: int = typer.Option(None, "--top-n", help="Print only the N best documents."),
+    url: str = typer.Option(None, "--url", help="Gateway URL (default: the local cluster's, else :8080)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the full JSON response."),
+    api_key: str = typer.Option(None, "--api-key", envvar="LORAFLEET_API_KEY", help="Bearer key, if set."),
+    timeout: float = typer.Option(60.0, help="Seconds to wait for the answer."),
+) -> None:
+    """Rank DOCUMENTs by relevance to QUERY through the gateway (POST /v1/rerank), best first."""
+    import httpx
+
+    from lorafleet import settings
+    from lorafleet.cluster import ClusterError, ClusterState
+
+    if url is None:
+        try:
+            url = ClusterState.load(settings.home()).gateway_url
+        except ClusterError:
+            url = os.environ.get("LORAFLEET_URL", "http://127.0.0.1:8080")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    body: dict[str, object] = {"model": model, "query": query, "documents": documents}
+    if top_n is not None:
+        body["top_n"] = top_n
+    try:
+        r = httpx.post(f"{url.rstrip('/')}/v1/rerank", json=body, headers=headers, timeout=timeout)
+    except httpx.HTTPError as exc:
+        _fail(f"cannot reach the gateway at {url}: {exc} (is the cluster up? `lorafleet up`)")
+        return
+    if r.status_code != 200:
+        try:
+            err = r.json()["error"]
+            _fail(f"{r.status_code} {err.get('code')}: {err.get('message')}")
+        except (ValueError, KeyError):
+            _fail(f"{r.status_code}: {r.text[:500]}")
+        return
+    answer = r.json()
+    if as_json:
+        typer.echo(json.dumps(answer))
+        return
+    for item in answer["results"]:
+        typer.echo(f"[{item['index']}] {item['relevance_score']:.4f}  {documents[item['index']][:70]!r}")
+    truncated = answer.get("truncated") or []
+    note = f"; document(s) {truncated} truncated to the model's length" if truncated else ""
+    typer.echo(f"model {answer['model']}, {answer['usage']['total_tokens']} tokens{note}", err=True)
+    sys.stdout.flush()
+
+
 _PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
 
 
@@ -213,4 +264,5 @@ def register(app: typer.Typer) -> None:
     app.command("up")(up)
     app.command("down")(down)
     app.command("status")(status)
+    app.command("rerank")(rerank)
     app.command("embed")(embed)
