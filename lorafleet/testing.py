@@ -1,15 +1,22 @@
 """Helpers for tests and benchmarks: a tiny random BERT and a tiny random Llama, built on the fly, offline,
-and a wait for the CLI processes a test starts.
+a wait for the CLI processes a test starts, bounded waits on a condition (tests wait on the state they expect,
+never sleep and then assert), and a NATS flush that covers a subscription just made.
 
 Public so that users writing tests against lorafleet get the same fast model.
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import shutil
 import subprocess
-from collections.abc import Sequence
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 _CORPUS = [
     "Der Verkäufer einer Sache ist verpflichtet, dem Käufer die Sache zu übergeben.",
@@ -165,3 +172,42 @@ def wait_all(procs: Sequence[subprocess.Popen[bytes]], timeout: float) -> list[i
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def wait_until(predicate: Callable[[], T], timeout: float, what: str, *, poll_s: float = 0.05) -> T:
+    """Poll `predicate` until it returns something truthy, and return that; AssertionError naming `what` (and the
+    last value seen) once `timeout` seconds have passed."""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout:g} s (last: {value!r})")
+        time.sleep(poll_s)
+    return value
+
+
+async def wait_until_async(predicate: Callable[[], T | Awaitable[T]], timeout: float, what: str, *,
+                           poll_s: float = 0.05) -> T:
+    """`wait_until` on an event loop: `predicate` may be a plain function or return an awaitable."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value  # type: ignore[return-value]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout:g} s (last: {value!r})")
+        await asyncio.sleep(poll_s)
+
+
+async def flush_nats(nc: Any) -> None:
+    """Return once the server has every command `nc` (a nats-py client) sent before, a subscription just made
+    included.
+
+    nats-py 2.16's `flush()` writes its PING to the socket at once, ahead of commands that its flusher task has
+    not written yet: its PONG can come back before the server has seen a SUB made just before, and a message
+    another connection publishes then finds no subscriber. The first flush lets the flusher write what was
+    pending; the second PING follows it on the wire.
+    """
+    await nc.flush()
+    await nc.flush()

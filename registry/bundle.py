@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 from pydantic import Field
 
+from lorafleet import adapters
 from lorafleet.config import ServingProfile, StrictModel
 from lorafleet.models import base_name_for, resolve_model_source
 from lorafleet.refs import NAME_RE
@@ -32,7 +33,6 @@ ADAPTER_DIR = "adapter"
 DIGEST_FILE = "dataset_digest.txt"
 REPORT_DIR = "report"
 BUNDLE_FORMAT = 1
-REQUIRED_ADAPTER_FILES = ("adapter_config.json",)
 # A bundle name becomes a served name and a NATS KV key (lorafleet.refs).
 KEY_NAME_RE = NAME_RE
 DEFAULT_TASK = "retrieval"  # bundles from before task kinds were recorded
@@ -126,11 +126,11 @@ def describe_base(source: str) -> dict[str, Any]:
 
 
 def check_adapter_dir(adapter_dir: Path) -> None:
-    if not adapter_dir.is_dir():
-        raise BundleError(f"adapter directory {adapter_dir} does not exist")
-    for name in REQUIRED_ADAPTER_FILES:
-        if not (adapter_dir / name).is_file():
-            raise BundleError(f"{adapter_dir} has no {name}: not a peft adapter directory")
+    """BundleError unless `adapter_dir` is a peft adapter folder (the check workers make, lorafleet.adapters)."""
+    try:
+        adapters.check_adapter_dir(adapter_dir)
+    except adapters.AdapterUnavailable as exc:
+        raise BundleError(str(exc)) from exc
 
 
 def build_bundle(out_dir: Path, *, name: str, adapter_dir: Path, base_source: str, base_name: str | None = None,

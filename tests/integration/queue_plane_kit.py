@@ -15,6 +15,7 @@ import nats
 
 from lorafleet.cluster import LocalCluster
 from lorafleet.config import BaseModelSpec, FleetConfig, GatewayConfig, QueueConfig, ServingProfile, WorkerConfig
+from lorafleet.testing import wait_until
 from lorafleet.tune.loadgen import Connection
 
 BASE = "m"
@@ -34,12 +35,9 @@ def synth_fleet(a_ms: float = 5.0, b_ms: float = 1.0, *, max_items: int = 32, qu
 
 
 def until(cond: Callable[[], bool], timeout: float, what: str, poll_s: float = 0.05) -> float:
-    """Poll `cond` until it holds; the seconds it took (AssertionError naming `what` after `timeout`)."""
+    """`wait_until`, returning the seconds it took (the tests print recovery times)."""
     t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"{what} did not happen within {timeout:.0f}s")
-        time.sleep(poll_s)
+    wait_until(cond, timeout, what, poll_s=poll_s)
     return time.monotonic() - t0
 
 

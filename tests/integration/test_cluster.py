@@ -3,6 +3,7 @@ and the packaged all-MiniLM-L6-v2. Nothing here is faked."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import os
 import signal
@@ -14,11 +15,13 @@ from typing import Any
 
 import httpx
 import msgpack
+import nats
 import numpy as np
 import pytest
 
 from lorafleet.cluster import LocalCluster
 from lorafleet.config import BaseModelSpec, FleetConfig, QueueConfig, ServedModel
+from lorafleet.testing import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -157,10 +160,6 @@ def _fire(url: str, n_requests: int, per_request: int, deadline_ms: int = 60_000
 
 def test_kill_9_worker_loses_nothing(tmp_path: Path, adapters: dict[str, Path], minilm_path: Path) -> None:
     """kill -9 a worker that holds un-acked tasks: every request is still answered, once, correctly."""
-    import asyncio
-
-    import nats
-
     from lorafleet.wire import consumer_name
 
     fleet = _fleet({}, ack_wait_s=2.0, max_deliver=5)
@@ -205,6 +204,14 @@ def test_kill_9_worker_loses_nothing(tmp_path: Path, adapters: dict[str, Path], 
     assert n_redelivered > 0, "the killed worker held no un-acked task; the test proved nothing"
 
 
+async def _stream_messages(c: LocalCluster) -> int:
+    nc = await nats.connect(c.nats_url, **c.client_options("admin"))
+    try:
+        return (await nc.jetstream().stream_info(c.fleet.queue.stream)).state.messages
+    finally:
+        await nc.close()
+
+
 def test_nats_restart_keeps_waiting_tasks(tmp_path: Path, minilm_path: Path) -> None:
     """Tasks accepted into the file-backed stream survive a nats-server restart and are served after it."""
     fleet = _fleet({})
@@ -215,7 +222,8 @@ def test_nats_restart_keeps_waiting_tasks(tmp_path: Path, minilm_path: Path) -> 
             box: dict[str, list[httpx.Response]] = {}
             t = threading.Thread(target=lambda: box.setdefault("r", _fire(c.gateway_url, 4, 3)))
             t.start()
-            time.sleep(1.0)
+            # Restart once every task (4 requests × 3 inputs) is in the file-backed stream.
+            wait_until(lambda: asyncio.run(_stream_messages(c)) >= 12, 60, "12 tasks in the work stream")
             c.nats.restart()
         finally:
             os.kill(worker.pid, signal.SIGCONT)

@@ -21,6 +21,7 @@ from lorafleet.cluster import LocalCluster
 from lorafleet.config import BaseModelSpec, FleetConfig, WorkerConfig
 from lorafleet.registry import store
 from lorafleet.registry.promote import Preload, promote
+from lorafleet.testing import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -61,13 +62,6 @@ def _cos(a: np.ndarray, b: np.ndarray) -> float:
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
-def _until(cond: object, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():  # type: ignore[operator]
-        assert time.monotonic() < deadline, f"{what} did not happen within {timeout:.0f}s"
-        time.sleep(0.05)
-
-
 def _logged_at(line: str) -> float:
     """Epoch seconds of a worker log line (`%(asctime)s …`, local time)."""
     return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
@@ -97,7 +91,7 @@ def test_promote_under_traffic_preloads_every_worker_before_the_switch(tmp_path:
         traffic = Traffic(c.gateway_url)
         traffic.thread.start()
         try:
-            _until(lambda: any(a.status == 200 for a in traffic.answers), 60, "an answer of v1")
+            wait_until(lambda: any(a.status == 200 for a in traffic.answers), 60, "an answer of v1")
             before = time.time()
             second = promote(NAME, "2", nats_url=c.nats_url, fleet_file=c.fleet_file, preload=preload)
             switched = time.time()  # the live entry is written just before promote returns
@@ -105,7 +99,7 @@ def test_promote_under_traffic_preloads_every_worker_before_the_switch(tmp_path:
             def answered_by_v2() -> int:
                 return sum(a.vector is not None and _cos(a.vector, expected[2]) > 0.9999 for a in traffic.answers)
 
-            _until(lambda: answered_by_v2() >= 20, 60, "20 answers of v2")
+            wait_until(lambda: answered_by_v2() >= 20, 60, "20 answers of v2")
         finally:
             traffic.stop.set()
             traffic.thread.join(35)

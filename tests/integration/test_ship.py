@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 
 from lorafleet import settings
 from lorafleet.config import BaseModelSpec, FleetConfig
+from lorafleet.testing import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -97,6 +98,11 @@ class SteadyClient:
                 self.answers.append((r.status_code, k, vec, r.text[:200] if vec is None else ""))
                 i += 1
                 time.sleep(0.02)
+
+    def wait_answers(self, n: int, timeout: float = 120.0) -> None:
+        """Until `n` more answers than now have come back."""
+        want = len(self.answers) + n
+        wait_until(lambda: len(self.answers) >= want, timeout, f"{n} more answers of the steady client")
 
     def __enter__(self) -> SteadyClient:
         self._thread.start()
@@ -184,17 +190,16 @@ def test_research_ship_promote_rollback(tmp_path: Path, minilm_path: Path) -> No
 
         # 3. Live switch and rollback under steady traffic: no request fails.
         with SteadyClient(url) as client:
-            time.sleep(1.0)
+            client.wait_answers(3)  # traffic before, between and after the switches
             pipeline.promote(NAME, "2", force=True)
             wait_serving(url, refs["2"])
-            time.sleep(0.5)
+            client.wait_answers(3)
             assert pipeline.rollback(NAME).version == "1"
             wait_serving(url, refs["1"])
-            time.sleep(0.5)
+            client.wait_answers(3)
         failed = [(s, t) for s, _, _, t in client.answers if s != 200]
         assert not failed, failed[:3]
-        # Traffic ran across both switches (how many requests fit depends on the machine's load).
-        assert len(client.answers) >= 3
+        assert len(client.answers) >= 9  # traffic ran across both switches (waited for above)
         seen = set()
         for _, k, vec, _ in client.answers:
             match = [v for v, ref in refs.items() if cosine(vec, ref[k]) > 0.9999]

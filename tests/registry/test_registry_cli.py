@@ -16,8 +16,17 @@ from typer.testing import CliRunner
 
 from lorafleet.cli import app
 from lorafleet.nats_server import free_port
+from lorafleet.testing import wait_until
 
 pytestmark = pytest.mark.integration
+
+
+def _gone(pid: str) -> bool:
+    """The process has ended: no /proc entry, or a zombie its parent has not reaped."""
+    try:
+        return "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+    except FileNotFoundError:
+        return True
 
 
 def test_registry_list_and_promote_errors(tiny_adapter: Path, tiny_model_dir: Path) -> None:
@@ -63,9 +72,7 @@ def test_ui_serves_and_ctrl_c_stops_its_group(tmp_path: Path) -> None:
         assert children, "the UI server should run as a child process"
         os.kill(proc.pid, signal.SIGINT)  # what Ctrl-C sends to the foreground command
         assert proc.wait(timeout=30) == 0
-        time.sleep(0.5)
-        for pid in children:
-            assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+        wait_until(lambda: all(_gone(pid) for pid in children), 10, f"the UI's children {children} to end")
         with pytest.raises(httpx.HTTPError):
             httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
     finally:

@@ -16,6 +16,7 @@ from sidecar_testkit import BASE, WorkerProcess, fleet_dict
 
 from lorafleet.config import QueueConfig
 from lorafleet.nats_server import NatsServer
+from lorafleet.testing import wait_until
 from lorafleet.wire import (
     ERR_ADAPTER,
     ERR_DEADLINE,
@@ -200,10 +201,12 @@ def test_malformed_tasks_are_dead_lettered(served: tuple[NatsServer, WorkerProce
     results = asyncio.run(roundtrip(server.url, [], raw=[garbage, missing_field], expect=1, timeout=10))
     assert len(results) == 1 and results[0].error_code == ERR_MALFORMED and results[0].task_id == "bad-1"
     assert results[0].index == 3
-    time.sleep(0.2)
-    dlq = asyncio.run(dead_letters(server.url))
-    bodies = {m.data: m.headers for m in dlq}
-    assert garbage in bodies and missing_field in bodies
+
+    def both_dead_lettered() -> dict[bytes, Any]:
+        bodies = {m.data: m.headers for m in asyncio.run(dead_letters(server.url))}
+        return bodies if garbage in bodies and missing_field in bodies else {}
+
+    bodies = wait_until(both_dead_lettered, 10, "both malformed tasks in the dead-letter stream", poll_s=0.1)
     assert "MessagePack" in bodies[garbage][HDR_DLQ_REASON]
     assert "missing field" in bodies[missing_field][HDR_DLQ_REASON]
 
@@ -224,8 +227,9 @@ def test_missing_adapter_answers_and_dead_letters(served: tuple[NatsServer, Work
     task = make_task("ohne Adapter", reply_to(), adapter="ghost", adapter_uri=str(ghost))
     [result] = asyncio.run(roundtrip(server.url, [task]))
     assert result.error_code == ERR_ADAPTER and "no usable peft adapter" in (result.error_message or "")
-    time.sleep(0.2)
-    assert any(m.data == task.to_wire() for m in asyncio.run(dead_letters(server.url)))
+    # The answer goes out before the task is dead-lettered: wait for the dead letter.
+    wait_until(lambda: any(m.data == task.to_wire() for m in asyncio.run(dead_letters(server.url))), 10,
+               "the task in the dead-letter stream", poll_s=0.1)
 
 
 def test_adapter_paths_outside_the_roots_are_refused_alike(served: tuple[NatsServer, WorkerProcess],
