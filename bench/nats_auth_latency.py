@@ -27,6 +27,7 @@ from lorafleet.nats_auth import gateway_inbox_prefix
 from lorafleet.nats_server import NatsServer
 from lorafleet.nats_tls import issue_certificate, make_self_signed_ca
 from lorafleet.queue import ensure_streams
+from lorafleet.testing import flush_nats
 from lorafleet.wire import work_subject
 
 VECTOR = b"\0" * (384 * 4)
@@ -67,7 +68,7 @@ class Side:
             await self.gw.publish(msg.reply, b"")
 
         await self.gw.subscribe(f"{self.inbox}.>", cb=receipt)
-        await self.gw.flush()
+        await flush_nats(self.gw)  # nats-py's single flush can overtake the buffered SUB
 
     async def close(self) -> None:
         await self.gw.close()

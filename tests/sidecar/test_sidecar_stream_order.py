@@ -18,6 +18,7 @@ from lorafleet.nats_server import NatsServer
 from lorafleet.serve.textstream import TextStream
 from lorafleet.sidecar import streaming
 from lorafleet.sidecar.streaming import TextOut, TextStreams
+from lorafleet.testing import flush_nats
 from lorafleet.wire import GENERATE, RECEIPT_CANCEL, GenerateParams, Result, Task
 
 PIECES = 24
@@ -98,7 +99,7 @@ async def test_chunks_reach_the_gateway_in_order_and_stream_whole(auth_server: N
         inbox = gateway_inbox_prefix("gw1", auth_server.creds("gateway")) + ".r1"
         gw = Gateway(gw_nc)
         await gw_nc.subscribe(inbox, cb=gw.on_msg)
-        await gw_nc.flush()
+        await flush_nats(gw_nc)  # nats-py's single flush can overtake the buffered SUB
         streams = TextStreams(worker, "w1")
         out = streams.open(task(inbox), 1, stream=True)
         await stream_one(out, streams, posted)
@@ -128,7 +129,7 @@ async def test_a_cancel_receipt_on_a_check_in_aborts_the_task(auth_server: NatsS
         inbox = gateway_inbox_prefix("gw1", auth_server.creds("gateway")) + ".r1"
         gw = Gateway(gw_nc, receipt=RECEIPT_CANCEL)
         await gw_nc.subscribe(inbox, cb=gw.on_msg)
-        await gw_nc.flush()
+        await flush_nats(gw_nc)  # nats-py's single flush can overtake the buffered SUB
         streams = TextStreams(worker, "w1")
         out = streams.open(task(inbox), 1, stream=True)
         aborted = asyncio.Event()
