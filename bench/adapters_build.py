@@ -8,6 +8,7 @@ safetensors directly: 1,000 adapters take seconds, not the minutes 1,000 peft mo
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -21,9 +22,14 @@ RANK = 8
 
 
 def default_cache_dir(base_model: str) -> Path:
-    """`LORAFLEET_HOME/bench/adapters/<base>-r8`: outside the repository, shared by every run on this host."""
+    """`$XDG_CACHE_HOME|~/.cache` / lorafleet/bench/adapters/<base>-r8 (inside `LORAFLEET_HOME` when that is set):
+    a rebuildable cache shared by every run on this host, never the user's state."""
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in Path(base_model).name)
-    return settings.home() / "bench" / "adapters" / f"{safe}-r{RANK}"
+    if os.environ.get("LORAFLEET_HOME"):
+        root = settings.home() / "bench"
+    else:
+        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lorafleet" / "bench"
+    return root / "adapters" / f"{safe}-r{RANK}"
 
 
 def adapter_name(i: int) -> str:
