@@ -26,6 +26,10 @@ Only one server runs at a time. Each is checked to return the raw model's embedd
         --concurrency 1 --concurrency 32          # auth+TLS against none, alternated (medians compared)
 
 A contender named twice is measured twice (`name#2`), so two variants can alternate against drift.
+`--precision fp32,bf16` serves the base of each lorafleet contender at each precision in turn (`lorafleet@fp32`,
+`lorafleet@bf16`), side by side in one run; without it the base is served at `auto` (the guard's choice).
+
+    python -m lorafleet.bench.serve --contenders lorafleet --precision fp32,bf16 --concurrency 8 --point-s 3
 """
 
 from __future__ import annotations
@@ -202,14 +206,18 @@ def thread_env(threads: int) -> dict[str, str]:
     return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
 
 
-def start_lorafleet(work: Path, profile: dict[str, Any] | None, threads: int, name: str = "lorafleet") -> Contender:
+def start_lorafleet(work: Path, profile: dict[str, Any] | None, threads: int, name: str = "lorafleet",
+                    precision: str = "auto") -> Contender:
     from lorafleet.cluster import LocalCluster
-    from lorafleet.config import FleetConfig, GatewayConfig, ServingProfile, WorkerConfig
+    from lorafleet.config import BaseModelSpec, FleetConfig, GatewayConfig, ServingProfile, WorkerConfig
     from lorafleet.nats_server import free_port
+    from lorafleet.precision import check_fleet_precisions
 
     prof = ServingProfile(**(profile or {}))
-    fleet = FleetConfig(gateway=GatewayConfig(port=0, default_deadline_s=60.0),
+    fleet = FleetConfig(bases=[BaseModelSpec(name=MODEL_NAME, precision=precision)],  # type: ignore[arg-type]
+                        gateway=GatewayConfig(port=0, default_deadline_s=60.0),
                         worker=WorkerConfig(profile=prof, device="cpu"))
+    check_fleet_precisions(fleet)  # as `lorafleet up` does: an unsupported precision is not started
     t0 = time.monotonic()
     home = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=work))
     cluster = LocalCluster(fleet, workers=1, port=0, home=home, nats_port=free_port(),
@@ -417,6 +425,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-batch-items", type=int, default=None, help="lorafleet worker profile: max batch items.")
     p.add_argument("--max-wait-ms", type=float, default=None, help="lorafleet worker profile: max wait ms.")
     p.add_argument("--batches-in-flight", type=int, default=None, help="lorafleet worker profile: batches in flight.")
+    p.add_argument("--precision", default=None,
+                   help="Comma-separated precisions (fp32, bf16, fp16, int8, auto) to serve the lorafleet contenders' "
+                        "base at, each measured in turn (`lorafleet@bf16`); default: the base's auto.")
     p.add_argument("--infinity-batch-size", type=int, default=32)
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads for raw encode and every contender (default: torch's own for raw "
@@ -440,6 +451,14 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"error: unknown contender(s) {unknown}; choose from {ALL_CONTENDERS}", file=sys.stderr)
         return 2
+    precisions = args.precision.split(",") if args.precision else [None]
+    bad = [p for p in precisions if p not in (None, "auto", "fp32", "bf16", "fp16", "int8")]
+    if bad:
+        print(f"error: unknown precision(s) {bad}; choose from auto, fp32, bf16, fp16, int8", file=sys.stderr)
+        return 2
+    # Each lorafleet contender once per precision, adjacent (fp32 then bf16 …), so drift hits them alike.
+    runs = [(f"{k}@{p}" if p else k, n, p) for k, n in zip(keys, contenders, strict=True)
+            for p in (precisions if n in SECURITY else [None])]
     concurrencies = sorted(set(args.concurrency or ([1, 8] if quick else [1, 8, 32, 128])))
     point_s = args.point_s or (1.5 if quick else 8.0)
     warmup_s = 0.5 if quick else 2.0
@@ -478,11 +497,11 @@ def main(argv: list[str] | None = None) -> int:
     systems: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="lorafleet-bench-serve-") as tmp:
         work = Path(tmp)
-        user = [(k, n) for k, n in zip(keys, contenders, strict=True) if n in USER_ROUTES]
+        user = [(k, n) for k, n, _ in runs if n in USER_ROUTES]
         if user:
             systems.update(run_user_path(work, [n for _, n in user], args.threads, model, texts, raw_start, ref,
                                          concurrencies, point_s, warmup_s, raw_s, args.profile))
-        for key, name in zip(keys, contenders, strict=True):
+        for key, name, precision in runs:
             if name in USER_ROUTES:
                 continue
             # Raw encode again right before each system: the ratios use it, since a shared machine drifts.
@@ -491,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
             say(f"{key}: starting…")
             try:
                 if name in SECURITY:
-                    c = start_lorafleet(work, profile, threads, name)
+                    c = start_lorafleet(work, profile, threads, name, precision or "auto")
                 elif name == "naive":
                     c = start_naive(work, model_dir, threads)
                 else:
@@ -502,12 +521,13 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             try:
                 cos = check_embeddings(c, check_texts, ref)
-                say(f"  {name}: ready in {c.started_s:.1f}s; min cosine to raw encode {cos:.6f}")
+                say(f"  {key}: ready in {c.started_s:.1f}s; min cosine to raw encode {cos:.6f}")
                 entry: dict[str, Any] = {"startup_s": round(c.started_s, 1), "min_cosine": round(cos, 6),
                                          "endpoint": c.path, "raw_adjacent": adjacent}
                 if name in SECURITY:
                     entry["profile"] = ServingProfile(**profile).model_dump()
                     entry["nats"] = SECURITY[name]
+                    entry["precision"] = precision or "auto"
                 if name == "infinity":
                     entry["batch_size"] = args.infinity_batch_size
                 if cos <= COSINE_MIN:

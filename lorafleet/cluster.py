@@ -454,6 +454,8 @@ def _tail(path: Path, lines: int = 30) -> str:
 
 
 def load_fleet(path: str | Path | None) -> FleetConfig:
-    if path is None:
-        return FleetConfig()
-    return load_yaml_model(FleetConfig, path)
+    from lorafleet.precision import check_fleet_precisions
+
+    fleet = FleetConfig() if path is None else load_yaml_model(FleetConfig, path)
+    check_fleet_precisions(fleet)  # an explicit precision the workers' device cannot run stops `up` here
+    return fleet

@@ -73,6 +73,11 @@ class ServingProfile(StrictModel):
         description="Per base, bytes of host-memory copies of adapters evicted from the device (the warm tier, "
         "loaded back without reading disk); least recently used beyond it are dropped, 0 keeps none. Worker-wide.",
     )
+    precision: Literal["auto", "fp32", "bf16", "fp16", "int8"] | None = Field(
+        None,
+        description="The precision this profile was measured at (null: not recorded). Informational: a worker "
+        "serves a base at one precision, the base's own `bases[].precision`, whatever its adapters' profiles say.",
+    )
 
 
 class QueueConfig(StrictModel):
@@ -132,6 +137,13 @@ class BaseModelSpec(StrictModel):
     normalize: bool | None = Field(None, description="None: as the model's own config says.")
     options: dict[str, Any] = Field(default_factory=dict,
                                     description="Settings of this base's runtime plugin; the runtime checks them.")
+    precision: Literal["auto", "fp32", "bf16", "fp16", "int8"] = Field(
+        "auto",
+        description="Number format the base computes in: fp32; bf16 (CPUs with native bf16, CUDA); fp16 (CUDA); "
+        "int8 (dynamic quantisation, CPU, no adapters); auto: the fastest the runtime supports on the worker's "
+        "device whose probe vectors keep a cosine of 0.999 to fp32's (checked once per model and device, cached "
+        "under LORAFLEET_HOME). An explicit precision the runtime cannot run there stops `lorafleet up`.",
+    )
     scale_to_zero: bool = Field(
         False,
         description="Accept this base's requests while no worker for it is live: they wait in the queue (up to "
@@ -171,6 +183,12 @@ class GatewayConfig(StrictModel):
     max_input_tokens: int = Field(
         512, ge=1, description="Longest input accepted, in model tokens; longer inputs get 400."
     )
+    max_rerank_documents: int = Field(1000, ge=1, description="Most documents in one rerank request.")
+    rerank_chunk: int = Field(
+        32, ge=1, le=256,
+        description="Documents per task of a rerank request: a large request is spread over many tasks (and "
+        "workers) instead of holding one, and small requests' pairs still fill one batch.",
+    )
     default_deadline_s: float = Field(30.0, gt=0)
     max_deadline_s: float = Field(300.0, gt=0)
     worker_liveness_s: float = Field(
@@ -189,6 +207,14 @@ class GatewayConfig(StrictModel):
         description="How often the gateway reads the stream and its consumers (backlog for admission, "
         "readiness, re-creating a lost stream).",
     )
+    # Issue 25: read by `lorafleet promote`/`rollback` from this fleet file and written into the fleet state.
+    retain_s: float | None = Field(
+        7 * 24 * 3600.0, ge=0,
+        description="After a promote, how long the previous champion stays served under its pinned name NAME@N "
+        "(seconds; null: no time limit), so clients re-embed their corpus with the new version before it goes.",
+    )
+    retain_versions: int | None = Field(
+        2, ge=0, description="At most this many former champions stay served as NAME@N (null: no count limit).")
 
 
 class WorkerConfig(StrictModel):
@@ -216,7 +242,9 @@ class WorkerConfig(StrictModel):
     orphan_grace_s: float = Field(
         3.0, ge=0,
         description="A task whose gateway no longer listens (no subscriber on its reply inbox) is dropped once "
-        "that has lasted this long: long enough for a gateway to come back after a NATS reconnect.",
+        "that has lasted this long: long enough for a gateway to come back after a NATS reconnect. Meanwhile the "
+        "task is retried, its deliveries left (queue.max_deliver, at least 2 unless this is 0) spread over the "
+        "grace, so its last one comes only once the grace has passed.",
     )
 
 
@@ -267,6 +295,16 @@ class FleetConfig(StrictModel):
     @model_validator(mode="after")
     def _check_models(self) -> FleetConfig:
         check_served_models([b.name for b in self.bases], self.models)
+        return self
+
+    @model_validator(mode="after")
+    def _check_orphan_grace(self) -> FleetConfig:
+        # A task whose gateway is away is retried on later deliveries, spread over the grace (sidecar/acks.py):
+        # with a single delivery there is no later one, and the grace could not be waited out.
+        if self.worker.orphan_grace_s > 0 and self.queue.max_deliver < 2:
+            raise ValueError(f"worker.orphan_grace_s ({self.worker.orphan_grace_s:g}s) needs queue.max_deliver of at "
+                             "least 2: a task whose gateway is reconnecting waits for it on a later delivery "
+                             "(or set orphan_grace_s to 0)")
         return self
 
     def work_max_age_s(self) -> float:

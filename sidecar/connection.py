@@ -68,6 +68,7 @@ class NatsSide:
         self.connected = threading.Event()
         self.error: BaseException | None = None
         self.adapters_snapshot: dict[str, list[str]] = {b: [] for b in bases}  # replaced whole by the main thread
+        self.precisions: dict[str, str] = {}  # base → precision served; set by the main thread once bases load
         self.dims: dict[str, int] = {}
         self.thread = threading.Thread(target=self._thread_main, name="nats-loop", daemon=True)
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -441,7 +442,7 @@ class NatsSide:
             worker=self.worker_id, bases=bases, adapters=adapters,
             in_flight=len(self.held), batches_per_s=round(batches_per_s, 3), tasks_done=self.tasks_done,
             pid=os.getpid(), host=socket.gethostname(), draining=self._stopping, service_rates=rates,
-            slots_used=used, slots=slots, kv_cache=kv,
+            slots_used=used, slots=slots, kv_cache=kv, precisions=dict(self.precisions),
         )
         try:
             await self.nc.publish(heartbeat_subject(self.worker_id), hb.to_wire())

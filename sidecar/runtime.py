@@ -1,7 +1,7 @@
 """The runtime interface every inference backend implements, and the factory that finds one by name.
 
 A runtime holds one base model and the LoRA adapters loaded onto it. It declares what it can do
-(`capabilities`: `embed`, `generate`); the worker only calls the methods of a declared capability,
+(`capabilities`: `embed`, `generate`, `score`); the worker only calls the methods of a declared capability,
 so nothing probes with hasattr. Runtimes are plugins: each registers a class under the entry-point
 group `lorafleet.runtimes` (the built-ins do too), and `BaseModelSpec.runtime` names one. A broken,
 unknown or duplicate plugin stops the worker.
@@ -22,6 +22,9 @@ Contract (both):
 - Process: a runtime may start helper processes (an engine in its own venv); `close` must stop
   them. Heavy imports happen in `__init__` (or `start`), never at module import, so finding a plugin
   is cheap.
+- Precision: `precisions(device)` (a class method) declares the number formats it can serve a base at
+  there (default fp32 only); `create_runtime` refuses an explicit `BaseModelSpec.precision` outside them,
+  and the runtime sets `precision` to the one it serves (resolving `auto`, lorafleet/precision.py).
 - Calls, in order: `__init__(spec, device)` once (an engine's `start()` next); then any number of
   `load_adapter` / `unload_adapter` / capability calls; `close` once. `load_adapter` raises
   `lorafleet.adapters.AdapterUnavailable` for an adapter that can never fit this base.
@@ -40,6 +43,7 @@ from lorafleet import plugins
 from lorafleet.adapters import AdapterUnavailable
 from lorafleet.config import BaseModelSpec
 from lorafleet.device import resolve_device
+from lorafleet.precision import check_precision
 from lorafleet.wire import CAPABILITIES, EMBED, GenerateParams
 
 __all__ = ["ABORTED", "AdapterUnavailable", "AdapterWeights",
@@ -108,6 +112,14 @@ class Runtime(ABC):
     # True when `encode_mixed` computes rows of different adapters in one forward pass; the worker then forms
     # batches per base instead of per (base, adapter).
     mixed_adapters: ClassVar[bool] = False
+    # The precision the base is served at (lorafleet.precision): set by a runtime that resolves its spec's.
+    precision: str = "fp32"
+
+    @classmethod
+    def precisions(cls, device: str) -> frozenset[str]:
+        """The precisions (`fp32`, `bf16`, `fp16`, `int8`) this runtime can serve a base at on `device`; an
+        explicit `BaseModelSpec.precision` outside them is a ConfigError at fleet load. Default: fp32 only."""
+        return frozenset({"fp32"})
 
     # -- embed ---------------------------------------------------------------------------------------
     @property
@@ -139,6 +151,12 @@ class Runtime(ABC):
         an input whose `sink.stopped(i)` turns true ends with `ABORTED`. `RequestRefused` for inputs
         this model cannot take."""
         raise NotImplementedError(f"{type(self).__name__} does not generate")
+
+    # -- score ---------------------------------------------------------------------------------------
+    def score(self, pairs: list[tuple[str, str]], adapter_id: str | None) -> np.ndarray:
+        """float32 array (len(pairs),): the relevance of each (query, document) pair (score); adapter_id None
+        means the bare base. Pairs longer than the model's max length are truncated by the runtime."""
+        raise NotImplementedError(f"{type(self).__name__} does not score")
 
     # -- adapters --------------------------------------------------------------------------------------
     @abstractmethod
@@ -180,6 +198,12 @@ class EngineRuntime(ABC):
     """
 
     capabilities: ClassVar[frozenset[str]] = frozenset()
+    precision: str = "fp32"  # as Runtime's
+
+    @classmethod
+    def precisions(cls, device: str) -> frozenset[str]:
+        """As `Runtime.precisions`: what the engine can serve a base at on `device` (default fp32 only)."""
+        return frozenset({"fp32"})
 
     @abstractmethod
     async def start(self) -> None:
@@ -243,7 +267,10 @@ def runtime_class(name: str) -> type[Runtime] | type[EngineRuntime]:
 def create_runtime(spec: BaseModelSpec, device: str = "auto") -> AnyRuntime:
     """The runtime `spec.runtime` names, loaded with `spec`'s base model on `device` (an engine: configured,
     not started)."""
-    return runtime_class(spec.runtime)(spec, device=resolve_device(device))  # type: ignore[call-arg]
+    cls = runtime_class(spec.runtime)
+    device = resolve_device(device)
+    check_precision(spec.name, spec.runtime, spec.precision, cls.precisions(device), device)  # never a fallback
+    return cls(spec, device=device)  # type: ignore[call-arg]
 
 
 def needs(runtime: AnyRuntime, capability: str = EMBED) -> None:

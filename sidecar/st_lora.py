@@ -31,10 +31,13 @@ _ENTRIES = {"r", "lora_alpha", "scaling", "use_rslora", "use_dora", "lora_bias",
 
 
 def _frozen_linear(weight: torch.Tensor, like: torch.Tensor) -> nn.Linear:
-    """A bias-free Linear holding `weight` (out × in) on the device and in the dtype of `like`. On the same device
-    and dtype it shares the tensor: the host tier's copy is not duplicated, and inference never writes it."""
+    """A bias-free Linear holding `weight` (out × in) on the device of `like`: in float32 on a float32 base, in its
+    saved dtype on a reduced-precision base (bf16, fp16: the update is computed at the base's precision, and the
+    adapter is not rounded twice). On the same device and dtype it shares the tensor: the host tier's copy is not
+    duplicated, and inference never writes it."""
+    dtype = like.dtype if like.dtype == torch.float32 else weight.dtype
     layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-    layer.weight = nn.Parameter(weight.to(device=like.device, dtype=like.dtype), requires_grad=False)
+    layer.weight = nn.Parameter(weight.to(device=like.device, dtype=dtype), requires_grad=False)
     return layer
 
 
@@ -169,11 +172,14 @@ def _add_updates(layer: LoraLayer, args: tuple[Any, ...], kwargs: dict[str, Any]
         return output
     x = args[0] if args else kwargs["x"]
     ids = [names[i] for i in mine]
-    a = torch.stack([layer.lora_A[n].weight for n in ids])  # rows × r × in
-    b = torch.stack([layer.lora_B[n].weight for n in ids])  # rows × out × r
+    # Computed at the base's precision (its output's dtype): adapters kept in their saved dtype are cast per batch
+    # (the stack copies them anyway).
+    dtype = output.dtype
+    a = torch.stack([layer.lora_A[n].weight for n in ids]).to(dtype)  # rows × r × in
+    b = torch.stack([layer.lora_B[n].weight for n in ids]).to(dtype)  # rows × out × r
     index = torch.tensor(mine, device=x.device)
-    sub = x.index_select(0, index).to(a.dtype)
+    sub = x.index_select(0, index).to(dtype)
     flat = sub.reshape(len(mine), -1, sub.shape[-1])  # rows × tokens × in
-    scale = torch.tensor([layer.scaling[n] for n in ids], dtype=a.dtype, device=a.device).view(-1, 1, 1)
+    scale = torch.tensor([layer.scaling[n] for n in ids], dtype=dtype, device=a.device).view(-1, 1, 1)
     update = torch.bmm(torch.bmm(flat, a.transpose(1, 2)), b.transpose(1, 2)) * scale
-    return output.index_add(0, index, update.reshape(*sub.shape[:-1], -1).to(output.dtype))
+    return output.index_add(0, index, update.reshape(*sub.shape[:-1], -1))

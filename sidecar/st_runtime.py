@@ -23,6 +23,18 @@ import numpy as np
 from lorafleet.adapters import AdapterUnavailable
 from lorafleet.config import BaseModelSpec
 from lorafleet.models import resolve_model_source
+from lorafleet.precision import (
+    AUTO,
+    AUTO_ENV,
+    FP32,
+    PROBE_SENTENCES,
+    cache_key,
+    candidates,
+    check_precision,
+    choose_auto,
+    pinned_auto,
+    supported_precisions,
+)
 from lorafleet.sidecar.runtime import AdapterWeights, Runtime
 from lorafleet.wire import EMBED
 
@@ -31,6 +43,23 @@ log = logging.getLogger(__name__)
 BASE_ROW = "__base__"  # peft's name for a row on the bare base in a mixed batch
 # peft raises these for adapters that do not fit this base (wrong target modules, shapes).
 _UNFIT = (ValueError, KeyError, TypeError)
+
+
+def set_precision(model: Any, precision: str) -> None:
+    """Put a SentenceTransformer's weights in `precision`: float formats cast every weight (the model's own
+    config may name bf16 or fp16: fp32 casts those back); int8 quantises the Linear layers of the transformer
+    dynamically (int8 weights, activations quantised per batch), on a float32 model."""
+    import torch
+
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    if precision in dtypes:
+        model.to(dtypes[precision])
+        return
+    if precision != "int8":
+        raise ValueError(f"unknown precision {precision!r}")
+    model.to(torch.float32)
+    torch.ao.quantization.quantize_dynamic(model.transformers_model, {torch.nn.Linear}, dtype=torch.qint8,
+                                           inplace=True)
 
 
 def _quiet_transformers() -> None:
@@ -71,6 +100,7 @@ class SentenceTransformerRuntime(Runtime):
         model.eval()
         self.model = model
         self.normalized = has_normalize if spec.normalize is None else spec.normalize
+        self.precision = self._resolve_precision(spec, device, source)
         dim = model.get_embedding_dimension()
         if dim is None:
             dim = int(self._raw_encode(["dimension probe"]).shape[1])
@@ -80,19 +110,74 @@ class SentenceTransformerRuntime(Runtime):
         self._lora_modules: list[Any] | None = None  # the layers that take adapter_names; None = find them again
         self._unmixable: set[str] = set()  # loaded adapters peft cannot mix by rows (not plain LoRA, DoRA)
         self._slots = LoraSlots(model.transformers_model)  # adds and removes adapters in constant time
-        log.info("loaded base %s from %s on %s (dim %d, max_seq_length %s, normalized %s)",
-                 spec.name, source, device, self._dim, model.max_seq_length, self.normalized)
+        log.info("loaded base %s from %s on %s (dim %d, max_seq_length %s, normalized %s, precision %s)",
+                 spec.name, source, device, self._dim, model.max_seq_length, self.normalized, self.precision)
+
+    @classmethod
+    def precisions(cls, device: str) -> frozenset[str]:
+        # bf16/fp16 cast the weights (adapters keep their saved dtype, st_lora.py); int8 quantises the Linear
+        # layers dynamically (CPU; no adapters on it, see load_adapter).
+        return supported_precisions(device)
+
+    def _resolve_precision(self, spec: BaseModelSpec, device: str, source: str) -> str:
+        """Apply the spec's precision to the model; `auto` runs the quality guard (lorafleet/precision.py)."""
+        supported = self.precisions(device)
+        check_precision(spec.name, spec.runtime, spec.precision, supported, device)
+        if spec.precision != AUTO:
+            set_precision(self.model, spec.precision)
+            return spec.precision
+        pinned = pinned_auto(supported)
+        if pinned is not None:
+            log.info("base %s: precision auto → %s (pinned by %s)", spec.name, pinned, AUTO_ENV)
+            set_precision(self.model, pinned)
+            return pinned
+        set_precision(self.model, FP32)  # the reference, whatever dtype the checkpoint's config names
+        # int8 is no candidate: a quantised base takes no adapters, and `auto` must not take them away silently.
+        tries = [p for p in candidates(supported) if p != "int8"]
+        key = cache_key(spec.runtime, source, spec.revision, device, tries)
+        verdict = choose_auto(key, tries, partial(self._probe, list(PROBE_SENTENCES)))
+        log.info("base %s: precision auto → %s (%s)", spec.name, verdict.precision, verdict.reason())
+        set_precision(self.model, verdict.precision)
+        return verdict.precision
+
+    def _probe(self, texts: list[str], precision: str) -> np.ndarray:
+        """The vectors of `texts` with the base at `precision`, on a copy of the fp32 base (casting there and back
+        would round the weights): the guard holds a second copy of the base for a moment, once per model and
+        device."""
+        if precision == FP32:
+            return self._raw_encode(texts)
+        model = copy.deepcopy(self.model)
+        set_precision(model, precision)
+        return self._encode_with(model, texts)
 
     @property
     def dim(self) -> int:
         return self._dim
 
     def _raw_encode(self, texts: list[str]) -> np.ndarray:
-        arr = self.model.encode(
-            texts, batch_size=max(len(texts), 1), convert_to_numpy=True,
-            normalize_embeddings=self._normalize_in_encode, show_progress_bar=False,
-        )
-        return np.asarray(arr, dtype=np.float32)
+        return self._encode_with(self.model, texts)
+
+    def _encode_with(self, model: Any, texts: list[str]) -> np.ndarray:
+        import torch
+
+        # As a tensor: numpy has no bfloat16, the vectors leave as float32 whatever the base computes in.
+        with torch.inference_mode():
+            emb = model.encode(
+                texts, batch_size=max(len(texts), 1), convert_to_tensor=True,
+                normalize_embeddings=self._normalize_in_encode, show_progress_bar=False,
+            )
+            return self._to_numpy(emb)
+
+    def _to_numpy(self, emb: Any) -> np.ndarray:
+        """float32 vectors; normalised ones computed in bf16/fp16 are normalised again in float32 (a 16-bit
+        float keeps their length only to ~1e-3)."""
+        import torch
+
+        reduced = emb.dtype in (torch.bfloat16, torch.float16)
+        emb = emb.float()
+        if reduced and self.normalized and emb.numel():
+            emb = torch.nn.functional.normalize(emb, p=2, dim=-1)
+        return np.asarray(emb.cpu().numpy(), dtype=np.float32)
 
     def _activate(self, adapter_id: str | None) -> None:
         if adapter_id is None:
@@ -156,7 +241,7 @@ class SentenceTransformerRuntime(Runtime):
                 emb = emb[:, :model.truncate_dim]
             if self._normalize_in_encode:
                 emb = torch.nn.functional.normalize(emb, p=2, dim=1)
-            return np.asarray(emb.float().cpu().numpy(), dtype=np.float32)
+            return self._to_numpy(emb)
 
     def _aux_modules(self) -> bool:
         """Whether some adapter brought modules_to_save wrappers (only peft's own mixed forward handles them)."""
@@ -192,7 +277,13 @@ class SentenceTransformerRuntime(Runtime):
             for handle in handles:
                 handle.remove()
 
+    def _refuse_on_int8(self, adapter_id: str) -> None:
+        if self.precision == "int8":  # peft's LoRA layers wrap nn.Linear; quantisation replaced those
+            raise AdapterUnavailable(f"adapter {adapter_id!r}: base {self.spec.name!r} is served at int8 (dynamic "
+                                     "quantisation), which takes no LoRA adapters; serve it at fp32 or bf16")
+
     def load_adapter(self, adapter_id: str, path: str) -> None:
+        self._refuse_on_int8(adapter_id)
         config = Path(path) / "adapter_config.json"
         try:
             recorded = json.loads(config.read_text()).get("base_model_name_or_path")
@@ -224,6 +315,7 @@ class SentenceTransformerRuntime(Runtime):
         return AdapterWeights(path=str(folder), nbytes=nbytes, config=config, tensors=tensors)
 
     def load_adapter_weights(self, adapter_id: str, weights: AdapterWeights) -> None:
+        self._refuse_on_int8(adapter_id)
         log.info("loading adapter %s from host memory (read from %s) onto base %s", adapter_id, weights.path,
                  self.spec.name)
         # On a CUDA device the layers get copies; on CPU they may share these tensors (inference never writes them).

@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 _PREFIX_TOKENS = 4
 
 
+_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # precision → torch dtype name
+
+
 class TransformersOptions(StrictModel):
     """`options:` of a base served by the transformers runtime."""
 
@@ -68,6 +71,12 @@ class TransformersRuntime(Runtime):
 
     capabilities: ClassVar[frozenset[str]] = frozenset({GENERATE})
 
+    @classmethod
+    def precisions(cls, device: str) -> frozenset[str]:
+        from lorafleet.precision import supported_precisions
+
+        return supported_precisions(device) - {"int8"}  # the weights' dtype; no quantisation here
+
     def __init__(self, spec: BaseModelSpec, device: str = "cpu") -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -84,12 +93,20 @@ class TransformersRuntime(Runtime):
         self.device = device
         source = resolve_causal_source(spec.source)
         self.tokenizer = AutoTokenizer.from_pretrained(source, revision=spec.revision)
-        if opts.dtype != "auto":
-            dtype: Any = getattr(torch, opts.dtype)
+        if spec.precision != "auto":  # no guard for generation: `auto` keeps the dtype rule below
+            named = _DTYPE_NAMES[spec.precision]
+            if opts.dtype not in ("auto", named):
+                raise ConfigError(f"bases.{spec.name}: precision {spec.precision!r} and options.dtype "
+                                  f"{opts.dtype!r} disagree; set one of them")
+            dtype: Any = getattr(torch, named)
+        elif opts.dtype != "auto":
+            dtype = getattr(torch, opts.dtype)
         else:
             dtype = torch.float32 if device == "cpu" else "auto"
         model = AutoModelForCausalLM.from_pretrained(source, revision=spec.revision, dtype=dtype)
         self.model = model.to(device).eval()
+        self.precision = {v: k for k, v in _DTYPE_NAMES.items()}.get(str(model.dtype).removeprefix("torch."),
+                                                                     str(model.dtype))
         self.context = context_length(source, spec.options) or 2048
         eos = model.generation_config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])

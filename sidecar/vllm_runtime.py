@@ -48,6 +48,9 @@ from lorafleet.wire import GENERATE
 log = logging.getLogger(__name__)
 
 
+_VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # precision → vLLM's --dtype
+
+
 class VllmOptions(StrictModel):
     """`options:` of a base served by the vllm runtime (every key optional)."""
 
@@ -99,15 +102,26 @@ class VllmRuntime(EngineRuntime):
 
     capabilities: ClassVar[frozenset[str]] = frozenset({GENERATE})
 
+    @classmethod
+    def precisions(cls, device: str) -> frozenset[str]:
+        # vLLM's dtype; `auto` keeps vLLM's default (the checkpoint's on CUDA, bfloat16 on CPU), no guard.
+        return frozenset({"fp32", "fp16", "bf16"}) if device.startswith("cuda") else frozenset({"fp32", "bf16"})
+
     def __init__(self, spec: BaseModelSpec, device: str = "cpu") -> None:
         self.spec = spec
         self.options = opts = VllmOptions.of(spec)
         model = resolve_causal_source(spec.source)  # a GGUF is converted once, on first use
         on_cuda: Literal["cpu", "cuda"] = "cuda" if device.startswith("cuda") else "cpu"
         context = context_length(model, spec.options) or 2048
+        named = _VLLM_DTYPES.get(spec.precision)
+        if named is not None and opts.dtype not in (None, named):
+            raise ConfigError(f"bases.{spec.name}: precision {spec.precision!r} and options.dtype {opts.dtype!r} "
+                              "disagree; set one of them")
+        dtype = named or opts.dtype or ("auto" if on_cuda == "cuda" else "bfloat16")
+        self.precision = {v: k for k, v in _VLLM_DTYPES.items()}.get(dtype, dtype)
         self.config = EngineConfig(
             model=str(model), served_name=spec.name, venv=Path(opts.venv) if opts.venv else None, device=on_cuda,
-            dtype=opts.dtype or ("auto" if on_cuda == "cuda" else "bfloat16"), max_model_len=context,
+            dtype=dtype, max_model_len=context,
             max_num_seqs=opts.max_num_seqs, max_num_batched_tokens=opts.max_num_batched_tokens,
             max_loras=opts.max_loras, max_cpu_loras=opts.max_cpu_loras, max_lora_rank=opts.max_lora_rank,
             kv_cache_gib=opts.kv_cache_gib or (0 if on_cuda == "cuda" else 1),

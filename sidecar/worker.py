@@ -159,6 +159,7 @@ def _serve(fleet: FleetConfig, side: NatsSide, serve: list[str], lookup: FleetLo
     if not side.wait_connected():
         log.error("could not set up NATS at %s: %s", side.nats_url, side.error)
         return 1
+    side.precisions = {b: rt.precision for b, rt in {**runtimes, **engines}.items()}  # heartbeats carry them
     policy = adapter_policy(fleet)
     profile = fleet.worker.profile  # the adapter tiers and mixed batches are worker-wide
     caches = {b: AdapterCache(rt, fleet.worker.max_adapters, resolve=policy.resolve, events=metrics.adapter_events(b),
