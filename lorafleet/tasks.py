@@ -59,6 +59,12 @@ class MetricSpec:
     label: str = ""
     table: tuple[str, ...] = ()
     report: tuple[str, ...] = ()
+    # The prefix the gate compares against: `base` (the base model) or one that names the best of several
+    # baselines (`best`: the generation kind's lead, base, k-shot and other-model k-shot), and its words.
+    gate: str = "base"
+    gate_label: str = "the base model"
+    # Test metrics shown beside the headline in every run's headline set (`test_chrf`, `test_exact_match`).
+    beside: tuple[str, ...] = ()
 
     @property
     def headline(self) -> str:
@@ -76,7 +82,13 @@ class MetricSpec:
         names: list[str] = []
         for name in (self.headline, self.objective):
             names += [name, self.base(name)] + ([f"{self.baseline}_{name}"] if self.baseline else [])
-        return (*names, *COST_HEADLINE)
+            names += [f"{self.gate}_{name}"] if self.gate != "base" else []
+        return (*names, *self.beside, *COST_HEADLINE)
+
+    def reports(self, objective: str) -> bool:
+        """Whether this kind reports the metric `objective` names (any split); an empty `report` allows any."""
+        metric = objective.split("_", 1)[1] if objective.startswith(("dev_", "test_")) else objective
+        return not self.report or metric in self.report
 
     def summary(self, metrics: Mapping[str, float]) -> str | None:
         """The headline in words: `test nDCG@10 0.440 vs base 0.315 (+40 %) and BM25 0.298`; None without it."""
@@ -145,7 +157,7 @@ def judge(metrics: MetricSpec, candidate: Mapping[str, float], champion: Mapping
     The candidate's headline metric must beat the base model's by the relative `margin` and must not
     fall behind the current champion's. Pure: metric dicts in, a verdict with reasons out.
     """
-    name, base_name = metrics.headline, metrics.base(metrics.headline)
+    name, base_name = metrics.headline, f"{metrics.gate}_{metrics.headline}"
     score, base = candidate.get(name), candidate.get(base_name)
     champ = champion.get(name) if champion is not None else None
     worse = "below" if metrics.direction == "maximize" else "above"
@@ -154,11 +166,11 @@ def judge(metrics: MetricSpec, candidate: Mapping[str, float], champion: Mapping
         reasons.append(f"{candidate_label} has no {name} recorded, so it cannot be judged")
     else:
         if base is None:
-            reasons.append(f"{candidate_label} has no {base_name} recorded (the base model's score)")
+            reasons.append(f"{candidate_label} has no {base_name} recorded ({metrics.gate_label}'s score)")
         elif not beats(score, base, margin, metrics.direction):
             need = base + abs(base) * margin * (1 if metrics.direction == "maximize" else -1)
-            reasons.append(f"{name} {score:.4f} is {abs(need - score):.4f} {worse} what it needs: the base model's "
-                           f"{base:.4f} and a relative margin of {margin:.1%} ({need:.4f})")
+            reasons.append(f"{name} {score:.4f} is {abs(need - score):.4f} {worse} what it needs: "
+                           f"{metrics.gate_label}'s {base:.4f} and a relative margin of {margin:.1%} ({need:.4f})")
         if champion is not None:
             if champ is None:
                 reasons.append(f"{champion_label} has no {name} recorded to compare with")

@@ -263,6 +263,9 @@ def from_raw(train_raw: dict[str, Any], research_raw: dict[str, Any], source: st
     research = validate_model(ResearchConfig, research_raw, source=f"{source} (research:)")
     if research.objective is None:
         research = research.model_copy(update={"objective": kind.metrics.objective})
+    elif not kind.metrics.reports(research.objective):
+        raise ConfigError(f"{source} (research:): objective {research.objective!r} is not a metric the {task} kind "
+                          f"reports; choose one of {', '.join('dev_' + m for m in kind.metrics.report)}")
     validate_model(kind.config_model, train_raw, source=f"{source} (train:)")
     validate_space(research.space, train_raw, kind.config_model)
     return LoadedConfig(task=task, research=research, train_raw=train_raw, source=source)

@@ -169,7 +169,8 @@ def finalize(session: Session, result: ResearchResult, progress: Progress) -> Re
                 if key in result.winner_metrics and key in result.reseed_metrics:
                     result.spread[key] = abs(result.winner_metrics[key] - result.reseed_metrics[key])
         result.candidate, result.verdict = _verdict(cfg.min_margin, objective, session.kind.metrics.direction,
-                                                    baseline, result)
+                                                    baseline, result, session.kind.metrics.gate,
+                                                    session.kind.metrics.gate_label)
         if note:
             progress.note(f"[research] {note}")
             result.verdict += f" ({note})"
@@ -184,14 +185,15 @@ def finalize(session: Session, result: ResearchResult, progress: Progress) -> Re
     return result
 
 
-def _verdict(margin: float, objective: str, direction: str, baseline: dict[str, float], result: ResearchResult
-             ) -> tuple[bool, str]:
+def _verdict(margin: float, objective: str, direction: str, baseline: dict[str, float], result: ResearchResult,
+             gate: str = "base", gate_label: str = "the base model") -> tuple[bool, str]:
     """Candidate only if the winner on dev and every seed on test beat the base model by the relative margin.
 
     The margin means what it means in the promotion gate (lorafleet.tasks.beats): a share of the base's score.
     """
     test_obj = to_test(objective)
-    base_dev, base_test = baseline.get(f"base_{objective}"), baseline.get(f"base_{test_obj}")
+    # `gate` names what to beat: the base model, or the best of the kind's baselines (MetricSpec.gate).
+    base_dev, base_test = baseline.get(f"{gate}_{objective}"), baseline.get(f"{gate}_{test_obj}")
     if base_dev is None or base_test is None:
         return False, "baseline metrics are missing, so the winner cannot be judged; no candidate"
     tests = [m[test_obj] for m in (result.winner_metrics, result.reseed_metrics) if test_obj in m]
@@ -200,10 +202,10 @@ def _verdict(margin: float, objective: str, direction: str, baseline: dict[str, 
     seeds = f"{len(tests)} seed(s)"
     if beats(dev, base_dev, margin, direction) and beats(worst_test, base_test, margin, direction):  # type: ignore[arg-type]
         gain = (worst_test / base_test - 1) * 100 if base_test else float("inf")
-        return True, (f"candidate: trial #{result.winner_trial} beats the base model on test by {gain:+.1f}% "
+        return True, (f"candidate: trial #{result.winner_trial} beats {gate_label} on test by {gain:+.1f}% "
                       f"(worst of {seeds}: {test_obj}={worst_test:.4f} vs base {base_test:.4f}; "
                       f"margin {margin:.0%})")
-    return False, (f"no candidate: the winner (trial #{result.winner_trial}) does not beat the base model by the "
+    return False, (f"no candidate: the winner (trial #{result.winner_trial}) does not beat {gate_label} by the "
                    f"{margin:.0%} margin (dev {dev:.4f} vs base {base_dev:.4f}; worst test of {seeds} "
                    f"{worst_test:.4f} vs base {base_test:.4f})")
 

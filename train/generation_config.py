@@ -34,14 +34,25 @@ class GenerationLoraSettings(StrictModel):
     )
 
 
+class GenerationBaselineSettings(StrictModel):
+    """The prompted baselines a specialist must beat (beside the lead words and the bare base)."""
+
+    kshot: int = Field(4, ge=0, le=64, description="Training examples in the k-shot prompt (prior turns); 0: none.")
+    other_model: str | None = Field(
+        "auto", description="The k-shot prompt on another base: 'auto' is the other packaged one "
+        "(SmolLM2-135M-Instruct <-> gemma-3-270m; none for other bases), a model source, or null for none.")
+
+
 class GenerationTrainConfig(StrictModel):
     """The `train:` section of a generative (headings) task."""
 
-    base_model: str = Field(PACKAGED_SMOLLM2, description="Packaged SmolLM2 (GGUF), local folder or .gguf, hub id.")
+    base_model: str = Field(PACKAGED_SMOLLM2, description="Packaged SmolLM2-135M-Instruct or gemma-3-270m (GGUF), "
+                            "local folder or .gguf, hub id.")
     chat_template: str | None = Field(None, description="Jinja chat template, for a tokenizer that lacks one.")
     data: GenerationData = Field(default_factory=HeadingsDataConfig, description="The statute headings (default), "
                                  "or your own rows with `layout: messages | prompt_completion` (docs/data.md).")
     lora: GenerationLoraSettings = Field(default_factory=GenerationLoraSettings)
+    baselines: GenerationBaselineSettings = Field(default_factory=GenerationBaselineSettings)
     learning_rate: float = Field(2e-3, gt=0, lt=1)
     epochs: int = Field(1, ge=1, le=100)
     batch_size: int = Field(8, ge=1)

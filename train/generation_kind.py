@@ -1,4 +1,4 @@
-"""The generation task kind: a LoRA on a small causal LM (trl SFT), judged by chrF against the base and a lead baseline.
+"""The generation task kind: a LoRA on a small causal LM (trl SFT), judged by ROUGE-L against the best baseline.
 
 Registered as `generation` in the entry-point group `lorafleet.tasks`. Its default data is the
 statute-heading task (a section's text → its official heading); the task's system prompt is part
@@ -17,16 +17,21 @@ from lorafleet.train.headings import HeadingsDataset
 
 
 class GenerationKind(TaskKind):
-    """Instruction → short text (statute headings by default), greedy-decoded and scored with chrF."""
+    """Instruction → short text (statute headings by default), greedy-decoded and scored with ROUGE-L F1."""
 
     name: ClassVar[str] = "generation"
     capability: ClassVar[str] = "generate"
     bundle_kind: ClassVar[str] = "causal-lm"
     default_runtime: ClassVar[str] = "vllm"
+    # ROUGE-L F1 is the headline (as in headline generation); chrF β=2 rewards long copies on short outputs,
+    # so it is reported beside it, never gated on. The gate is the best of all baselines (`best_`).
     metrics: ClassVar[MetricSpec] = MetricSpec(
-        objective="dev_chrf", direction="maximize", baseline="lead", baseline_label="lead words", label="chrF",
-        table=("test_chrf", "base_test_chrf", "lead_test_chrf", "dev_chrf"),
-        report=("chrf", "rouge_l", "exact_match"),
+        objective="dev_rouge_l", direction="maximize", baseline="lead", baseline_label="lead words", label="ROUGE-L",
+        table=("test_rouge_l", "best_test_rouge_l", "base_test_rouge_l", "lead_test_rouge_l", "test_chrf",
+               "dev_rouge_l"),
+        report=("rouge_l", "chrf", "chrf1", "exact_match", "pred_words"),
+        gate="best", gate_label="the best baseline (lead, base, k-shot, other base k-shot)",
+        beside=("test_chrf", "test_chrf1", "test_exact_match", "test_pred_words"),
     )
     config_model: ClassVar[type[GenerationTrainConfig]] = GenerationTrainConfig
 

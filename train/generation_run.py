@@ -1,4 +1,4 @@
-"""One full headings run: dataset, baselines (base model, lead), LoRA training, evaluation, metrics.json, report.md.
+"""One full headings run: dataset, baselines (lead, base, k-shot, other base k-shot), LoRA, evaluation, report.md.
 
 MLflow, the CLI and research wire these functions in from outside; nothing here logs to MLflow.
 """
@@ -23,6 +23,15 @@ from lorafleet.train import tracking
 from lorafleet.train.byo_generation import GenerationDatasetData, build_byo_generation
 from lorafleet.train.causal_lm import describe_base, load_causal_adapter, load_causal_base, load_causal_tokenizer
 from lorafleet.train.generation import GenerationTrainConfig, evaluate_split, train_generation
+from lorafleet.train.generation_baselines import (
+    BEST,
+    KSHOT,
+    OTHER_KSHOT,
+    best_baseline,
+    best_label,
+    kshot_baseline,
+    other_model,
+)
 from lorafleet.train.generation_eval import (
     TEXT_METRICS,
     examples_table,
@@ -41,11 +50,18 @@ TASK = "generation"
 
 @dataclass
 class Baselines:
-    """`base_*` and `lead_*` metrics on dev and test, their predictions, and the lead's length in words."""
+    """`lead_*`, `base_*`, `kshot_*`, `other_kshot_*` and `best_*` metrics on dev and test, the answers,
+    the lead's length in words and the other base's name."""
 
     metrics: dict[str, float]
-    predictions: dict[str, dict[str, list[str]]] = field(default_factory=dict)  # "base"/"lead" → split → answers
+    predictions: dict[str, dict[str, list[str]]] = field(default_factory=dict)  # baseline → split → answers
     lead_words: int = 0
+    other_model: str | None = None
+
+    @property
+    def names(self) -> list[str]:
+        """The baselines this run has, in table order."""
+        return [p for p in (LEAD, "base", KSHOT, OTHER_KSHOT) if p in self.predictions]
 
 
 def build_generation_dataset(cfg: GenerationTrainConfig, *, data_root: Path | None = None,
@@ -59,7 +75,8 @@ def build_generation_dataset(cfg: GenerationTrainConfig, *, data_root: Path | No
 
 def generation_baselines(cfg: GenerationTrainConfig, dataset: HeadingsDataset,
                          splits: tuple[str, ...] = ("dev", "test")) -> Baselines:
-    """The lead baseline and the base model, decoded like the LoRA, on `splits`."""
+    """The lead baseline, the base model, its k-shot prompt and the other base's, decoded like the LoRA, on
+    `splits`; `best_*` is the best of them per metric (what the gate compares against)."""
     train = dataset.examples["train"]
     n = fit_lead_length([ex.input for ex in train], [ex.heading for ex in train])
     out = Baselines(metrics={}, predictions={"lead": {}, "base": {}}, lead_words=n)
@@ -73,9 +90,19 @@ def generation_baselines(cfg: GenerationTrainConfig, dataset: HeadingsDataset,
     for split in splits:
         m, out.predictions["base"][split] = evaluate_split(cfg, model, tokenizer, dataset, split, f"{split}, base")
         out.metrics.update(prefixed(m, "base"))
-    log.info("baselines: lead (%d words) test_chrf %.2f, base test_chrf %.2f (%.0f s)", n,
-             out.metrics.get("lead_test_chrf", float("nan")), out.metrics.get("base_test_chrf", float("nan")),
-             time.perf_counter() - t0)
+    del model  # one base in memory at a time
+    if cfg.baselines.kshot > 0:
+        m, out.predictions[KSHOT] = kshot_baseline(cfg, dataset, cfg.base_model, KSHOT, splits,
+                                                   chat_template=cfg.chat_template)
+        out.metrics.update(m)
+        out.other_model = other_model(cfg.base_model, cfg.baselines.other_model)
+        if out.other_model is not None:
+            m, out.predictions[OTHER_KSHOT] = kshot_baseline(cfg, dataset, out.other_model, OTHER_KSHOT, splits)
+            out.metrics.update(m)
+    out.metrics.update(best_baseline(out.metrics, out.names, splits))
+    log.info("baselines (test ROUGE-L): %s; best %s (%.0f s)", ", ".join(
+        f"{p} {out.metrics.get(f'{p}_test_rouge_l', float('nan')):.4f}" for p in out.names),
+        best_label(out.metrics, out.names), time.perf_counter() - t0)
     return out
 
 
@@ -101,18 +128,18 @@ def bundle_details(cfg: GenerationTrainConfig) -> dict[str, Any]:
     }
 
 
-def relative_lift(metrics: dict[str, float], split: str = "test", metric: str = "chrf", ref: str = "base") -> float:
+def relative_lift(metrics: dict[str, float], split: str = "test", metric: str = "rouge_l", ref: str = BEST) -> float:
     base = metrics.get(f"{ref}_{split}_{metric}", 0.0)
     return (metrics[f"{split}_{metric}"] - base) / base if base > 0 else float("nan")
 
 
 def example_rows(dataset: HeadingsDataset, baselines: Baselines, lora: list[str], split: str = "test",
                  n: int = 10) -> list[dict[str, str]]:
-    """`n` seeded-random examples of `split`: section, truth, lead, base, LoRA."""
+    """`n` seeded-random examples of `split`: section, truth, each baseline, LoRA."""
     exs = dataset.examples[split]
     idx = sorted(random.Random(f"{dataset.settings['seed']}:examples").sample(range(len(exs)), min(n, len(exs))))
-    return [{"section": exs[i].id, "truth": exs[i].heading, "lead": baselines.predictions["lead"][split][i],
-             "base": baselines.predictions["base"][split][i], "LoRA": lora[i]} for i in idx]
+    return [{"section": exs[i].id, "truth": exs[i].heading,
+             **{p: baselines.predictions[p][split][i] for p in baselines.names}, "LoRA": lora[i]} for i in idx]
 
 
 def write_generation_report(path: Path, cfg: GenerationTrainConfig, dataset: HeadingsDataset,
@@ -135,31 +162,38 @@ def write_generation_report(path: Path, cfg: GenerationTrainConfig, dataset: Hea
         f"lr {cfg.learning_rate}, epochs {cfg.epochs}, batch {cfg.batch_size}×{cfg.gradient_accumulation_steps}, "
         f"packing {cfg.packing}; {int(m.get('trainable_params', 0)):,} trainable parameters, "
         f"adapter {m.get('adapter_size_mb', float('nan')):.1f} MB",
-        f"- lead baseline: the section's first {baselines.lead_words} words (the length with the best chrF on the "
+        f"- lead baseline: the section's first {baselines.lead_words} words (the length with the best ROUGE-L on the "
         "training split)",
+        (f"- k-shot: {cfg.baselines.kshot} training examples as prior turns, on `{cfg.base_model}`"
+         + (f" and on `{baselines.other_model}` (other kshot)" if baselines.other_model else "")
+         if KSHOT in baselines.names else "- k-shot: off"),
         "",
-        "Greedy decoding; the answer is the first line of the output. chrF: sacrebleu corpus chrF (0–100); "
-        "ROUGE-L: mean F1 over casefolded words; exact match after casefolding and trimming punctuation.",
+        "Greedy decoding; the answer is the first line of the output. The headline is ROUGE-L: mean F1 over "
+        "casefolded words; chrF (β = 2, sacrebleu corpus chrF, 0–100) and chrF1 (β = 1) are reported beside it: "
+        "β = 2 favours long answers on short headings. Exact match after casefolding and trimming punctuation; "
+        "pred_words: mean answer length in words. The gate: the LoRA must beat the best baseline by the margin.",
         "",
     ]
+    names = baselines.names
     for split in ("dev", "test"):
-        lines += [f"## {split}", "", "| metric | lead | base | LoRA | LoRA vs base |", "|---|---|---|---|---|"]
+        lines += [f"## {split}", "", "| metric | " + " | ".join(n.replace("_", " ") for n in names)
+                  + " | LoRA | LoRA vs best |", "|---|" + "---|" * (len(names) + 2)]
         for name in TEXT_METRICS:
             key = f"{split}_{name}"
             if key in m:
-                b = m.get(f"base_{key}", float("nan"))
+                b = m.get(f"{BEST}_{key}", float("nan"))
                 lift = (m[key] - b) / b * 100 if b else float("nan")
-                lines.append(f"| {name} | {m.get(f'{LEAD}_{key}', float('nan')):.4f} | {b:.4f} | {m[key]:.4f} | "
-                             f"{lift:+.1f} % |")
+                lines.append(f"| {name} | " + " | ".join(f"{m.get(f'{p}_{key}', float('nan')):.4f}" for p in names)
+                             + f" | {m[key]:.4f} | " + (f"{lift:+.1f} % |" if name != "pred_words" else "|"))
         lines.append("")
     preds = result.extras.get("predictions", {})
     if "test" in preds:
         rows = example_rows(dataset, baselines, preds["test"])
-        lines += ["## Examples (test)", "", examples_table(rows, ["section", "truth", "lead", "base", "LoRA"]), ""]
-    lines += ["## Epochs", "", "| epoch | train loss | dev chrF | dev ROUGE-L | dev exact match |",
+        lines += ["## Examples (test)", "", examples_table(rows, ["section", "truth", *names, "LoRA"]), ""]
+    lines += ["## Epochs", "", "| epoch | train loss | dev ROUGE-L | dev chrF | dev exact match |",
               "|---|---|---|---|---|"]
-    lines += [f"| {int(e['epoch'])} | {e['train_loss']:.4f} | {e.get('dev_chrf', float('nan')):.2f} | "
-              f"{e.get('dev_rouge_l', float('nan')):.4f} | {e.get('dev_exact_match', float('nan')):.4f} |"
+    lines += [f"| {int(e['epoch'])} | {e['train_loss']:.4f} | {e.get('dev_rouge_l', float('nan')):.4f} | "
+              f"{e.get('dev_chrf', float('nan')):.2f} | {e.get('dev_exact_match', float('nan')):.4f} |"
               for e in result.epochs]
     lines += ["", "## Cost", "",
               f"wall {c['wall_s']:.0f} s, CPU {c['cpu_s']:.0f} s, peak RSS {c['peak_rss_mb']:.0f} MB, "
@@ -205,27 +239,29 @@ def run_generation_train(cfg: GenerationTrainConfig, out_dir: Path | None = None
         stages["train_and_eval_s"] = result.cost["wall_s"]
         result.metrics.update(baselines.metrics)
         for split in ("dev", "test"):
-            result.metrics[f"{split}_chrf_lift"] = relative_lift(result.metrics, split)
+            result.metrics[f"{split}_rouge_l_lift"] = relative_lift(result.metrics, split)
         result.extras.update(train_cost=result.cost, stages=stages, lead_words=baselines.lead_words)
         result.cost = meter.read()
         test_preds = result.extras["predictions"]["test"]
         with (out / "predictions.jsonl").open("w") as f:
             for i, ex in enumerate(dataset.examples["test"]):
-                f.write(json.dumps({"id": ex.id, "truth": ex.heading, "lead": baselines.predictions["lead"]["test"][i],
-                                    "base": baselines.predictions["base"]["test"][i], "lora": test_preds[i]},
-                                   ensure_ascii=False) + "\n")
+                f.write(json.dumps({"id": ex.id, "truth": ex.heading,
+                                    **{p: baselines.predictions[p]["test"][i] for p in baselines.names},
+                                    "lora": test_preds[i]}, ensure_ascii=False) + "\n")
         result.report_path = write_generation_report(out / "report.md", cfg, dataset, result, baselines)
         (out / "metrics.json").write_text(json.dumps({
             "metrics": result.metrics, "epochs": result.epochs, "cost": result.cost,
             "train_cost": result.extras["train_cost"], "stages": stages, "dataset_digest": dataset.digest,
             "dataset": dataset.summary(),
             "base": result.extras.get("base") or describe_base(cfg.base_model), "lead_words": baselines.lead_words,
+            "other_model": baselines.other_model,
         }, indent=2, sort_keys=True))
         if run is not None:
             tracking.log_result(run, result, out, live_epochs=True, task=TASK)
-    log.info("done: test_chrf %.2f (base %.2f, lead %.2f, lift %+.1f %%) in %.0f s → %s", result.metrics["test_chrf"],
-             result.metrics["base_test_chrf"], result.metrics["lead_test_chrf"],
-             100 * result.metrics["test_chrf_lift"], result.cost["wall_s"], out)
+    log.info("done: test_rouge_l %.4f (best baseline %.4f: %s; lift %+.1f %%; chrF %.2f) in %.0f s → %s",
+             result.metrics["test_rouge_l"], result.metrics.get("best_test_rouge_l", float("nan")),
+             best_label(result.metrics, baselines.names), 100 * result.metrics["test_rouge_l_lift"],
+             result.metrics["test_chrf"], result.cost["wall_s"], out)
     return result
 
 

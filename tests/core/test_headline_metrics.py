@@ -18,7 +18,8 @@ def test_headline_set_comes_from_the_kind() -> None:
     assert retrieval.headline_set == ("test_ndcg@10", "base_test_ndcg@10", "bm25_test_ndcg@10", "dev_ndcg@10",
                                       "base_dev_ndcg@10", "bm25_dev_ndcg@10", *COST_HEADLINE)
     generation = get_task_kind("generation").metrics
-    assert generation.headline_set[:4] == ("test_chrf", "base_test_chrf", "lead_test_chrf", "dev_chrf")
+    assert generation.headline_set[:5] == ("test_rouge_l", "base_test_rouge_l", "lead_test_rouge_l",
+                                           "best_test_rouge_l", "dev_rouge_l")
     assert MetricSpec(objective="dev_loss").headline_set == ("test_loss", "base_test_loss", "dev_loss",
                                                              "base_dev_loss", *COST_HEADLINE)
 
@@ -29,8 +30,8 @@ def test_summary_states_the_headline_in_words() -> None:
     assert retrieval.summary(metrics) == "test nDCG@10 0.440 vs base 0.315 (+40 %) and BM25 0.298"
     assert retrieval.summary({"test_ndcg@10": 0.44}) == "test nDCG@10 0.440"
     assert retrieval.summary({"dev_ndcg@10": 0.4}) is None
-    chrf = get_task_kind("generation").metrics.summary({"test_chrf": 44.1, "base_test_chrf": 30.2})
-    assert chrf == "test chrF 44.1 vs base 30.2 (+46 %)"
+    rouge = get_task_kind("generation").metrics.summary({"test_rouge_l": 0.441, "base_test_rouge_l": 0.302})
+    assert rouge == "test ROUGE-L 0.441 vs base 0.302 (+46 %)"
 
 
 def test_rows_split_names_into_model_split_metric() -> None:

@@ -69,7 +69,7 @@ def test_research_drives_the_generation_kind(tmp_path: Path, tiny_llama: Path) -
     path = tmp_path / "research.yaml"
     path.write_text(yaml.safe_dump(cfg))
     loaded = load_config(path)
-    assert loaded.task == "generation" and loaded.objective == "dev_chrf"
+    assert loaded.task == "generation" and loaded.objective == "dev_rouge_l"
     result = run_research(loaded, progress_live=False)
     assert result.finalized and result.task == "generation" and result.trials.get("complete") == 2
     assert {"base_test_chrf", "lead_test_chrf", "base_dev_chrf"} <= set(result.baseline)

@@ -88,7 +88,7 @@ def test_training_lowers_loss_and_adapter_reloads(tiny_llama: Path, dataset, tmp
     result = train_generation(cfg, dataset, tmp_path / "run", on_epoch=lambda e, m: calls.append((e, m)),
                               keep_model=True, evaluate_test=True)
     assert [e for e, _ in calls] == [1, 2, 3]
-    wanted = {f"dev_{k}" for k in ("exact_match", "chrf", "rouge_l", "pred_words")}
+    wanted = {f"dev_{k}" for k in ("exact_match", "chrf", "chrf1", "rouge_l", "pred_words")}
     assert all(set(m) == wanted for _, m in calls)
     assert [row["epoch"] for row in result.epochs] == [1.0, 2.0, 3.0]
     assert result.metrics["dev_chrf"] == calls[-1][1]["dev_chrf"]

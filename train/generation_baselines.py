@@ -1,0 +1,139 @@
+"""The prompted baselines of the generation kind: what a user would pick instead of training a specialist.
+
+* **k-shot** (`kshot_*`): the base model with `k` training examples in the prompt as prior turns
+  (system, then k × (user = a section's text, assistant = its heading), then the example's own text).
+  The k examples are drawn once, seeded by the dataset's seed, from the training split: every dev and
+  test prompt carries the same ones, so nothing is tuned on dev or test.
+* **other base, k-shot** (`other_kshot_*`): the same prompt on the other packaged base (SmolLM2-135M-Instruct
+  ↔ gemma-3-270m), each rendered with its own chat template. A base that is not packaged has no "other"
+  unless `baselines.other_model` names one.
+* **best** (`best_*`): per metric, the best of every baseline of the run (lead, base, k-shot, other
+  k-shot); the kind's gate requires a specialist to beat it by the margin.
+
+A k-shot prompt that does not leave room for the answer in the model's context is refused with the
+limit named, before anything is generated.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Sequence
+from typing import Any
+
+from lorafleet.causal import PACKAGED_GEMMA3, PACKAGED_SMOLLM2, CausalLMError
+from lorafleet.device import resolve_device
+from lorafleet.metrics import key, prefixed
+from lorafleet.train.causal_lm import load_causal_base
+from lorafleet.train.generation_eval import SCORE_METRICS, generate_answers, text_metrics
+from lorafleet.train.headings import HeadingExample, HeadingsDataset
+
+log = logging.getLogger("lorafleet.train")
+
+KSHOT = "kshot"  # prefix of the k-shot baseline's metrics (the run's own base)
+OTHER_KSHOT = "other_kshot"  # prefix of the same prompt on the other packaged base
+BEST = "best"  # prefix of the best baseline's metrics, per metric: what the gate compares against
+_OTHER_PACKAGED = {PACKAGED_SMOLLM2: PACKAGED_GEMMA3, PACKAGED_GEMMA3: PACKAGED_SMOLLM2}
+
+
+class KShotOverflowError(CausalLMError):
+    """A k-shot prompt plus the answer's budget does not fit the model's context."""
+
+
+def other_model(base_model: str, setting: str | None) -> str | None:
+    """The model of the other-base baseline: `auto` is the other packaged base (None for an unpackaged one)."""
+    if setting is None:
+        return None
+    if setting == "auto":
+        return _OTHER_PACKAGED.get(base_model)
+    return setting
+
+
+def kshot_examples(dataset: HeadingsDataset, k: int) -> list[HeadingExample]:
+    """`k` training examples, drawn with the dataset's seed, in id order: the same for every prompt of a run."""
+    train = dataset.examples["train"]
+    if k > len(train):
+        raise CausalLMError(f"baselines.kshot={k} needs {k} training examples; the training split has {len(train)}")
+    seed = dataset.settings.get("seed", 0)
+    return sorted(random.Random(f"{seed}:kshot").sample(train, k), key=lambda e: e.id)
+
+
+def kshot_prompt(system_prompt: str, shots: Sequence[HeadingExample], text: str) -> list[dict[str, str]]:
+    """System prompt, the shots as prior user/assistant turns, then `text` as the last user turn."""
+    messages = [{"role": "system", "content": system_prompt}]
+    for shot in shots:
+        messages += [{"role": "user", "content": shot.input}, {"role": "assistant", "content": shot.heading}]
+    return [*messages, {"role": "user", "content": text}]
+
+
+def kshot_prompts(dataset: HeadingsDataset, split: str, shots: Sequence[HeadingExample]) -> list[list[dict[str, str]]]:
+    return [kshot_prompt(dataset.system_prompt, shots, ex.input) for ex in dataset.examples[split]]
+
+
+def model_context(model: Any) -> int | None:
+    config = model.config
+    for name in ("max_position_embeddings", "n_positions", "max_seq_len"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def check_context(tokenizer: Any, prompts: Sequence[list[dict[str, str]]], context: int | None, max_new_tokens: int,
+                  *, model_name: str, k: int) -> int:
+    """The longest rendered prompt's tokens; a KShotOverflowError naming the limit if it and the answer's
+    budget do not fit `context`."""
+    longest = max(len(tokenizer.apply_chat_template(p, tokenize=True, add_generation_prompt=True, return_dict=True)
+                      ["input_ids"]) for p in prompts)
+    if context is not None and longest + max_new_tokens > context:
+        raise KShotOverflowError(
+            f"the {k}-shot prompt for {model_name} has up to {longest} tokens; with max_new_tokens={max_new_tokens} "
+            f"that exceeds the model's context of {context} tokens; lower train.baselines.kshot or "
+            "data.input_max_tokens")
+    return longest
+
+
+def kshot_baseline(cfg: Any, dataset: HeadingsDataset, model_source: str, prefix: str,
+                   splits: Sequence[str] = ("dev", "test"), *, chat_template: str | None = None
+                   ) -> tuple[dict[str, float], dict[str, list[str]]]:
+    """`{prefix}_{split}_{metric}` of the k-shot prompt on `model_source`, and its answers per split."""
+    k = cfg.baselines.kshot
+    shots = kshot_examples(dataset, k)
+    prompts = {split: kshot_prompts(dataset, split, shots) for split in splits}
+    model, tokenizer = load_causal_base(model_source, resolve_device(cfg.device), cfg.dtype,
+                                        chat_template=chat_template)
+    context = model_context(model)
+    for split in splits:  # every split is checked before any is generated
+        check_context(tokenizer, prompts[split], context, cfg.max_new_tokens, model_name=model_source, k=k)
+    metrics: dict[str, float] = {}
+    answers: dict[str, list[str]] = {}
+    for split in splits:
+        answers[split] = generate_answers(model, tokenizer, prompts[split], batch_size=cfg.eval_batch_size,
+                                          max_new_tokens=cfg.max_new_tokens, description=f"{split}, {prefix}")
+        metrics.update(prefixed(text_metrics(answers[split], dataset.references(split), split), prefix))
+    return metrics, answers
+
+
+def best_baseline(metrics: dict[str, float], prefixes: Sequence[str], splits: Sequence[str] = ("dev", "test")
+                  ) -> dict[str, float]:
+    """`best_{split}_{metric}`: per score metric, the highest of the baselines `prefixes` that have it."""
+    out: dict[str, float] = {}
+    for split in splits:
+        for name in SCORE_METRICS:
+            values = [metrics[f"{p}_{key(split, name)}"] for p in prefixes if f"{p}_{key(split, name)}" in metrics]
+            if values:
+                out[f"{BEST}_{key(split, name)}"] = max(values)
+    return out
+
+
+def best_label(metrics: dict[str, float], prefixes: Sequence[str], split: str = "test", name: str = "rouge_l") -> str:
+    """Which baseline is best on `split`'s `name` (the first of equals)."""
+    scored = [(metrics[f"{p}_{key(split, name)}"], -i, p) for i, p in enumerate(prefixes)
+              if f"{p}_{key(split, name)}" in metrics]
+    return max(scored)[2] if scored else ""
+
+
+__all__ = [
+    "BEST", "KSHOT", "OTHER_KSHOT", "KShotOverflowError", "best_baseline", "best_label", "check_context",
+    "kshot_baseline", "kshot_examples", "kshot_prompt", "kshot_prompts", "model_context", "other_model",
+]
