@@ -27,13 +27,14 @@ class ProfileResult:
     on_front: bool = False
     recommended: bool = False
 
-    def key(self) -> tuple[int, int, float, int]:
+    def key(self) -> tuple[int, int, float, int, str]:
         p = self.profile
-        return (p.max_batch_items, p.max_batch_tokens, p.max_wait_ms, p.batches_in_flight)
+        return (p.max_batch_items, p.max_batch_tokens, p.max_wait_ms, p.batches_in_flight, p.precision or "fp32")
 
     def row(self) -> dict[str, Any]:
         p = self.profile
-        return {"phase": self.phase, "max_batch_items": p.max_batch_items, "max_batch_tokens": p.max_batch_tokens,
+        return {"phase": self.phase, "precision": p.precision or "fp32", "max_batch_items": p.max_batch_items,
+                "max_batch_tokens": p.max_batch_tokens,
                 "max_wait_ms": p.max_wait_ms, "batches_in_flight": p.batches_in_flight,
                 "throughput_rps": round(self.throughput_rps, 2), "p50_ms": _r(self.p50_ms), "p99_ms": _r(self.p99_ms),
                 "peak_rss_mb": round(self.peak_rss_mb, 1), "peak_gpu_mb": _r(self.peak_gpu_mb),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from lorafleet.config import StrictModel
@@ -35,12 +37,22 @@ class TuneConfig(StrictModel):
     device: str = "auto"
     slo_ttft_p99_ms: float = Field(2000.0, gt=0, description="Generative specialists: the objective on time to first "
                                    "token (p99) of their sweep (GenerativeTuneConfig).")
+    precisions: list[Literal["fp32", "bf16", "fp16", "int8"]] | Literal["auto"] = Field(
+        "auto", description="Precisions of the base to sweep (fp32, the reference, always runs); auto: every one the "
+        "runtime supports on the device.")
+    precision_max_loss: float = Field(0.005, ge=0, description="Quality guard: the most relative loss of the dev "
+                                      "set's nDCG@10 against fp32 a precision may have (0.005 = 0.5 %).")
+    precision_min_cosine: float = Field(0.999, ge=-1, le=1, description="Quality guard: the least cosine between any "
+                                        "vector and fp32's.")
+    precision_profiles: int = Field(3, ge=1, description="Each qualifying precision other than fp32 re-measures this "
+                                    "many of the best fp32 profiles (they count towards max_profiles).")
 
     @classmethod
     def quick_preset(cls, **overrides: object) -> TuneConfig:
         base: dict[str, object] = dict(quick=True, concurrencies=[8], open_fractions=[0.6], point_s=1.2,
                                        warmup_s=0.3, items_grid=[1, 8], wait_grid=[], inflight_grid=[],
-                                       min_open_requests=15, tokens_per_item_grid=[], max_profiles=3, budget_s=45.0)
+                                       min_open_requests=15, tokens_per_item_grid=[], max_profiles=3, budget_s=45.0,
+                                       precision_profiles=1)
         base.update(overrides)
         return cls(**base)
 

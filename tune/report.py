@@ -21,6 +21,7 @@ PROFILE_FILE = "profile.yaml"
 CSV_FILE = "results.csv"
 JSON_FILE = "results.json"
 PLOT_FILE = "throughput_p99.png"
+PRECISION_FILE = "precisions.csv"
 
 
 def machine() -> dict[str, Any]:
@@ -44,12 +45,29 @@ def machine() -> dict[str, Any]:
 def write_outputs(result: TuneResult, cfg: TuneConfig, source: TuneSource) -> dict[str, Path]:
     out = result.out_dir
     rec = result.recommendation
-    files = {"profile": out / PROFILE_FILE, "csv": out / CSV_FILE, "json": out / JSON_FILE, "plot": out / PLOT_FILE}
+    files = {"profile": out / PROFILE_FILE, "csv": out / CSV_FILE, "json": out / JSON_FILE, "plot": out / PLOT_FILE,
+             "precisions": out / PRECISION_FILE}
+    # The guard's verdict per precision, joined onto each measured profile (precision × batch knobs → quality).
+    quality = {q.precision: q.row() for q in result.quality}
+    chosen = quality.get(result.profile.precision or "fp32", {})
+    loss = chosen.get("quality_loss")
     header = (f"# lorafleet tune: {source.label} on {source.base_name}, {time.strftime('%Y-%m-%d %H:%M')}\n"
               f"# {rec.reason}: {rec.result.throughput_rps:.1f} req/s, p99 {rec.result.p99_ms:.0f} ms at "
-              f"{result.results[0].points[-1]['level']} req/s offered, peak RSS {rec.result.peak_rss_mb:.0f} MB\n")
+              f"{result.results[0].points[-1]['level']} req/s offered, peak RSS {rec.result.peak_rss_mb:.0f} MB\n"
+              f"# precision {result.profile.precision or 'fp32'}: "
+              f"{chosen.get('quality_reason', 'no quality guard ran')}"
+              + (f" (nDCG@10 loss {loss:+.4%})" if loss is not None else "") + "\n")
     files["profile"].write_text(header + yaml.safe_dump(result.profile.model_dump(mode="json"), sort_keys=False))
-    rows = [r.row() for r in result.results]
+    blank = {k: None for k in next(iter(quality.values()), {}) if k != "precision"}
+    rows = [{**r.row(), **{k: v for k, v in quality.get(r.row()["precision"], blank).items() if k != "precision"}}
+            for r in result.results]
+    # Every precision, measured or disqualified, with its quality and reason, and its best measured throughput.
+    prows = [{**q, "best_throughput_rps": max((r["throughput_rps"] for r in rows if r["precision"] == p),
+                                              default=None)} for p, q in quality.items()]
+    with open(files["precisions"], "w", newline="") as fh:
+        pwriter = csv.DictWriter(fh, fieldnames=list(prows[0]) if prows else ["precision"])
+        pwriter.writeheader()
+        pwriter.writerows(prows)
     with open(files["csv"], "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
         writer.writeheader()
@@ -61,9 +79,10 @@ def write_outputs(result: TuneResult, cfg: TuneConfig, source: TuneSource) -> di
         "machine": machine(),
         "baseline_rps": round(result.baseline_rps, 2),
         "recommended": {"profile": result.profile.model_dump(mode="json"), "meets_slo": rec.meets_slo,
-                        "reason": rec.reason, **rec.result.row()},
+                        "reason": rec.reason, **rec.result.row(), "quality": chosen or None},
+        "precisions": prows,
         "front": [r.row() for r in result.front],
-        "profiles": [{**r.row(), "points": r.points} for r in result.results],
+        "profiles": [{**row, "points": r.points} for row, r in zip(rows, result.results, strict=True)],
         "wall_s": round(result.wall_s, 1),
     }
     files["json"].write_text(json.dumps(payload, indent=2))

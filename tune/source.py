@@ -13,6 +13,7 @@ from lorafleet.adapters import recorded_base
 from lorafleet.config import ServingProfile
 from lorafleet.models import base_name_for, resolve_model_source
 from lorafleet.tune.config import TuneError
+from lorafleet.tune.precision import DevSet
 
 
 @dataclass
@@ -25,6 +26,7 @@ class TuneSource:
     base_revision: str | None
     label: str
     profile: ServingProfile | None = None  # the bundle's current profile, if it came from one
+    dev: DevSet | None = None  # the bundle's dev set: the precision guard scores nDCG@10 on it (else probe sentences)
 
 
 def from_adapter_dir(path: Path, base: str | None = None, label: str | None = None,

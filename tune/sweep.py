@@ -34,6 +34,7 @@ from lorafleet.tune.analysis import ProfileResult, Recommendation, pareto_front,
 from lorafleet.tune.config import GenerativeTuneConfig, TuneConfig, TuneError
 from lorafleet.tune.generative import GenerativeTuneResult, is_generative, run_generative_tune
 from lorafleet.tune.loadgen import LoadResult, Target, closed_loop, open_loop
+from lorafleet.tune.precision import PrecisionQuality, run_guard
 from lorafleet.tune.probe import SERVED_NAME, PeakMemory, load_texts, make_target, run_async
 from lorafleet.tune.report import write_outputs
 from lorafleet.tune.source import TuneSource
@@ -49,6 +50,7 @@ class TuneResult:
     baseline_rps: float
     wall_s: float
     files: dict[str, Path] = field(default_factory=dict)
+    quality: list[PrecisionQuality] = field(default_factory=list)  # the guard's verdict per precision
 
 
 Say = Callable[[str], None]
@@ -67,7 +69,7 @@ class Sweeper:
     def fleet(self, profile: ServingProfile) -> FleetConfig:
         return FleetConfig(
             bases=[BaseModelSpec(name=self.source.base_name, source=self.source.base_source,
-                                 revision=self.source.base_revision)],
+                                 revision=self.source.base_revision, precision=profile.precision or "fp32")],
             models=[ServedModel(name=SERVED_NAME, base=self.source.base_name, adapter=str(self.source.adapter_dir),
                                 adapter_id=f"{SERVED_NAME}-adapter", profile=profile)],
             gateway=GatewayConfig(port=0, default_deadline_s=60.0),
@@ -171,7 +173,7 @@ def _terminate_as_interrupt() -> Callable[[], None]:
 
 def _profile(items: int, tokens: int, wait: float, inflight: int) -> ServingProfile:
     return ServingProfile(max_batch_items=items, max_batch_tokens=max(tokens, items), max_wait_ms=wait,
-                          batches_in_flight=inflight)
+                          batches_in_flight=inflight, precision="fp32")
 
 
 def run_tune(source: TuneSource, cfg: TuneConfig | None = None, out_dir: Path | None = None,
@@ -195,34 +197,43 @@ def run_tune(source: TuneSource, cfg: TuneConfig | None = None, out_dir: Path | 
     out_dir.mkdir(parents=True, exist_ok=True)
     work = out_dir / ".work"
     t0 = time.monotonic()
-    default = ServingProfile()
+    default = ServingProfile(precision="fp32")  # fp32 is the reference every other precision is judged against
     sweeper = Sweeper(source, cfg, work, say)
     results: list[ProfileResult] = []
-    seen: set[tuple[int, int, float, int]] = set()
+    seen: set[tuple[int, int, float, int, str]] = set()
     say(f"tune: {source.label} on {source.base_name}; SLO p99 ≤ {cfg.slo_p99_ms:g} ms"
         + (f", memory ≤ {cfg.memory_gb:g} GiB" if cfg.memory_gb else "") + f"; budget {cfg.budget_s:.0f}s")
     memory_mb = cfg.memory_gb * 1024 if cfg.memory_gb else None
+    # Precision: judged once each before any load (the guard), then the qualifying ones re-measure the best fp32
+    # profiles; those measurements are reserved out of max_profiles so the staged sweep leaves room for them.
+    quality = run_guard(source, cfg, say)
+    faster = [q.precision for q in quality if q.qualified and q.precision != "fp32"]
+    reserved = min(len(faster) * cfg.precision_profiles, max(cfg.max_profiles - 2, 0))
+    staged_cap = cfg.max_profiles - reserved
     # At most this many profiles (the grid, capped): a plateau, a repeat or the budget can end the sweep sooner.
-    at_most = min(cfg.max_profiles, 1 + len(cfg.items_grid) + len(cfg.wait_grid) + len(cfg.inflight_grid)
-                  + len(cfg.tokens_per_item_grid))
+    at_most = min(staged_cap, 1 + len(cfg.items_grid) + len(cfg.wait_grid) + len(cfg.inflight_grid)
+                  + len(cfg.tokens_per_item_grid)) + reserved
 
-    def run_one(profile: ServingProfile, phase: str, first: bool = False) -> ProfileResult | None:
-        key = (profile.max_batch_items, profile.max_batch_tokens, profile.max_wait_ms, profile.batches_in_flight)
+    def run_one(profile: ServingProfile, phase: str, first: bool = False, cap: int = staged_cap
+                ) -> ProfileResult | None:
+        key = (profile.max_batch_items, profile.max_batch_tokens, profile.max_wait_ms, profile.batches_in_flight,
+               profile.precision or "fp32")
         if key in seen:
             return next(r for r in results if r.key() == key)
-        if not first and (len(results) >= cfg.max_profiles or (time.monotonic() - t0) > cfg.budget_s):
+        if not first and (len(results) >= cap or (time.monotonic() - t0) > cfg.budget_s):
             return None
         seen.add(key)
         # Each profile takes a worker restart and several load points (15 s or more): say which one runs.
-        say(f"  profile {len(results) + 1}/≤{at_most} ({phase}): items {profile.max_batch_items} tokens "
-            f"{profile.max_batch_tokens} wait {profile.max_wait_ms:g} ms in-flight {profile.batches_in_flight} "
+        say(f"  profile {len(results) + 1}/≤{at_most} ({phase}): {profile.precision} items {profile.max_batch_items} "
+            f"tokens {profile.max_batch_tokens} wait {profile.max_wait_ms:g} ms in-flight {profile.batches_in_flight} "
             f"measuring…  ({time.monotonic() - t0:.0f}s of {cfg.budget_s:.0f}s)")
         restart = 0.0 if first else sweeper.apply(profile)
         r = sweeper.measure(profile, phase, restart)
         results.append(r)
         p99 = f"{r.p99_ms:.0f}" if r.p99_ms is not None else "-"
         say(f"  [{len(results):>2}/{at_most}] items {profile.max_batch_items:>3} tokens {profile.max_batch_tokens:>5} "
-            f"wait {profile.max_wait_ms:>4g} ms in-flight {profile.batches_in_flight}: {r.throughput_rps:6.1f} req/s, "
+            f"wait {profile.max_wait_ms:>4g} ms in-flight {profile.batches_in_flight} {profile.precision}: "
+            f"{r.throughput_rps:6.1f} req/s, "
             f"p99 {p99} ms @ {sweeper.open_rates[-1]:g} req/s, RSS {r.peak_rss_mb:.0f} MB"
             + (f", {r.errors} errors" if r.errors else "")
             + (f", {r.unsent} not sustained" if r.unsent else "") + f"  ({time.monotonic() - t0:.0f}s)")
@@ -259,6 +270,11 @@ def run_tune(source: TuneSource, cfg: TuneConfig | None = None, out_dir: Path | 
         for per_item in cfg.tokens_per_item_grid:
             c = centre()
             run_one(c.model_copy(update={"max_batch_tokens": c.max_batch_items * per_item}), "tokens")
+        # Phase 5: each qualifying precision on the best fp32 profiles (batch knobs barely interact with it).
+        best = sorted(results, key=lambda r: score(r, cfg.slo_p99_ms, memory_mb), reverse=True)
+        for p in faster:
+            for r in best[: cfg.precision_profiles]:
+                run_one(r.profile.model_copy(update={"precision": p}), "precision", cap=cfg.max_profiles)
         ok = True
     finally:
         restore()
@@ -268,13 +284,14 @@ def run_tune(source: TuneSource, cfg: TuneConfig | None = None, out_dir: Path | 
     front = pareto_front(results)
     for r in front:
         r.on_front = True
-    rec = recommend(results, cfg.slo_p99_ms, memory_mb)
+    qualified = {q.precision for q in quality if q.qualified}
+    rec = recommend([r for r in results if (r.profile.precision or "fp32") in qualified], cfg.slo_p99_ms, memory_mb)
     if rec is None:
         raise TuneError("no profile could be measured without errors; see the worker log under "
                         f"{work / 'cluster' / 'logs'}")
     rec.result.recommended = True
     result = TuneResult(out_dir, rec.result.profile, rec, results, front, sweeper.baseline_rps,
-                        time.monotonic() - t0)
+                        time.monotonic() - t0, quality=quality)
     result.files = write_outputs(result, cfg, source)
     with contextlib.suppress(Exception):
         say(f"recommended: {rec.result.profile.model_dump()} — {rec.reason}: {rec.result.throughput_rps:.1f} req/s, "
