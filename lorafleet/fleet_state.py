@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -86,6 +87,27 @@ class RetainedVersion(StrictModel):
     until: float | None = Field(None, description="Retired after this (epoch seconds); None: no time limit.")
 
 
+class CanarySpec(StrictModel):
+    """A canary of a promoted name (issue 25): `percent` of the plain name's traffic, by a sticky hash of each
+    client's route key, goes to this version; the rest stays on the champion. In the fleet state so every gateway
+    applies the same split and a restart keeps it. Written by `promote --canary`, removed by `--finish`/`--abort`."""
+
+    version: str
+    percent: float = Field(gt=0, lt=100)
+    base: str
+    adapter_id: str
+    adapter_uri: str
+    profile: ServingProfile | None = None
+    kind: str | None = None
+    system_prompt: str | None = None
+    chat_template: str | None = None
+    generation: dict[str, Any] | None = None
+    started: float = Field(default_factory=time.time)
+    # `--watch`: who compares the two sides and until when (None: nobody watches; the canary stays as it is).
+    watcher: str | None = None
+    watch_until: float | None = None
+
+
 class FleetEntry(StrictModel):
     """What the fleet should serve under one name."""
 
@@ -108,10 +130,11 @@ class FleetEntry(StrictModel):
     # here and no longer (a pinned request for one is answered 410, not 404). Written by promote/rollback only.
     retained: list[RetainedVersion] = Field(default_factory=list)
     retired: list[str] = Field(default_factory=list)
+    canary: CanarySpec | None = None  # a version taking part of the plain name's traffic (promote --canary)
 
     def to_bytes(self) -> bytes:
-        # Without retention keys when empty: an entry that retains nothing stays readable by older processes.
-        empty = {k for k in ("retained", "retired") if not getattr(self, k)}
+        # Without retention/canary keys when empty: such an entry stays readable by older processes.
+        empty = {k for k in ("retained", "retired", "canary") if not getattr(self, k)}
         return self.model_dump_json(exclude=empty or None).encode()
 
     @classmethod
@@ -129,6 +152,58 @@ class FleetEntry(StrictModel):
             "base": kept.base, "adapter_id": kept.adapter_id, "adapter_uri": kept.adapter_uri, "profile": kept.profile,
             "version": kept.version, "kind": kept.kind, "system_prompt": kept.system_prompt,
             "chat_template": kept.chat_template, "generation": kept.generation, "retained": [], "retired": []})
+
+    def canary_as_entry(self) -> FleetEntry | None:
+        """The canary as the live entry it would be (what a gateway routes its share and NAME@N by)."""
+        c = self.canary
+        if c is None:
+            return None
+        return self.model_copy(update={
+            "base": c.base, "adapter_id": c.adapter_id, "adapter_uri": c.adapter_uri, "profile": c.profile,
+            "version": c.version, "kind": c.kind, "system_prompt": c.system_prompt, "chat_template": c.chat_template,
+            "generation": c.generation, "retained": [], "retired": [], "canary": None})
+
+
+def canary_spec(candidate: FleetEntry, percent: float, now: float | None = None) -> CanarySpec:
+    """The canary that sends `percent` of the name's traffic to `candidate` (an entry as promote would write it)."""
+    return CanarySpec(version=candidate.version, percent=percent, base=candidate.base,
+                      adapter_id=candidate.adapter_id, adapter_uri=candidate.adapter_uri, profile=candidate.profile,
+                      kind=candidate.kind, system_prompt=candidate.system_prompt,
+                      chat_template=candidate.chat_template, generation=candidate.generation,
+                      started=time.time() if now is None else now)
+
+
+def route_bucket(name: str, key: str) -> float:
+    """Where a client's route key falls in [0, 100) for `name`: sha256 of both (never Python's hash(), salted per
+    process), so every gateway, before and after a restart, puts one key on the same side. A canary of P % takes
+    the keys below P, so raising P only adds keys: none switches back."""
+    digest = hashlib.sha256(f"{name}\n{key}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") * 100.0 / 2.0**64
+
+
+def takes_canary(entry: FleetEntry, key: str | None) -> bool:
+    """Whether a request of `entry.name` with this route key goes to the canary (a request without a key: never)."""
+    return entry.canary is not None and key is not None and route_bucket(entry.name, key) < entry.canary.percent
+
+
+class CanaryInProgress(FleetStateError):
+    """A promote or rollback of a name under a canary: the canary must finish or be aborted first."""
+
+
+def refuse_during_canary(entry: FleetEntry | None) -> None:
+    """CanaryInProgress when `entry` is under a canary (promote and rollback check it under the name's lock)."""
+    if (why := canary_in_progress(entry)) is not None:
+        raise CanaryInProgress(why)
+
+
+def canary_in_progress(entry: FleetEntry | None) -> str | None:
+    """Why a promote or rollback of `entry.name` must wait (a canary holds the name), or None."""
+    if entry is None or entry.canary is None:
+        return None
+    c = entry.canary
+    return (f"a canary of {entry.name} is in progress (v{c.version} takes {c.percent:g} % of its traffic, champion "
+            f"v{entry.version}); nothing changed. End it first: `lorafleet promote {entry.name} --finish` or "
+            "`--abort`")
 
 
 def adapter_id_for(name: str, version: str | int) -> str:
@@ -226,6 +301,8 @@ def by_adapter_id(entries: Iterable[FleetEntry]) -> dict[str, ServedModel]:
             out[kept.adapter_id] = ServedModel(name=f"{e.name}@{kept.version}", base=kept.base,
                                                adapter=kept.adapter_uri, adapter_id=kept.adapter_id,
                                                profile=kept.profile)
+        if (canary := e.canary_as_entry()) is not None:
+            out[canary.adapter_id] = canary.served_model().model_copy(update={"name": f"{e.name}@{canary.version}"})
         out[e.adapter_id] = e.served_model()
     return out
 

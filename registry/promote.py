@@ -50,6 +50,7 @@ from lorafleet.fleet_state import (
     open_fleet_bucket,
     put_staged,
     read_entry,
+    refuse_during_canary,
     with_retention,
     write_entry,
 )
@@ -451,6 +452,7 @@ def promote(name: str, version: str | int | None = None, *, force: bool = False,
     target = _with_retention(find_fleet(nats_url, fleet_file, creds), retention, retention_changes)
 
     def decide(state: Agreement) -> tuple[VersionInfo, tuple[str, ...], GateResult | None]:
+        refuse_during_canary(state.entry)  # a canary holds the name until --finish/--abort (registry/canary.py)
         gate = _gate_or_refuse(info, state.champion, margin, force)
         history = state.history if state.history[-1:] == (info.version,) else (*state.history, info.version)
         return info, history, gate
@@ -469,6 +471,7 @@ def rollback(name: str, *, nats_url: str | None = None, fleet_file: Path | None 
     target = _with_retention(find_fleet(nats_url, fleet_file, creds), retention, retention_changes)
 
     def decide(state: Agreement) -> tuple[VersionInfo, tuple[str, ...], GateResult | None]:
+        refuse_during_canary(state.entry)
         version, history = rollback_target(name, state.champion, state.history)
         return store.get_version(name, version), history, None
 

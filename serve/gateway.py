@@ -45,7 +45,7 @@ from lorafleet.serve.metrics import GatewayMetrics
 from lorafleet.serve.pending import COMPLETE, DUPLICATE, FILLED, LATE, MALFORMED, TIMEOUT, PendingTable
 from lorafleet.serve.publish import deadline_error, publish_error, publish_task, take_back
 from lorafleet.serve.queue_monitor import QueueMonitor
-from lorafleet.serve.resolver import Resolver, Route, Specialist
+from lorafleet.serve.resolver import ROUTE_KEY_HEADER, Resolver, Route, Specialist, route_key
 from lorafleet.serve.textstream import TextStream
 from lorafleet.serve.tokens import TokenCounter
 from lorafleet.serve.workers import WorkerRegistry
@@ -259,8 +259,18 @@ class Gateway:
 
     # ---- request path ------------------------------------------------------------------------
 
-    def resolve(self, name: str) -> Route:
-        route = self.resolver.resolve(name) or self.resolver.resolve_pinned(name)  # NAME@N: 400/404/410 (issue 25)
+    def route_key(self, request: Any) -> str | None:
+        """The client's route key for a canary's sticky split (issue 25): the X-Lorafleet-Route-Key header, else
+        the API key's id (a digest, never the key), else a digest of the client address. None while no name is
+        under a canary (nothing to compute on the request path)."""
+        if not self.resolver.has_splits:
+            return None
+        return route_key(request.headers.get(ROUTE_KEY_HEADER), request.headers.get("authorization"),
+                         request.client.host if request.client is not None else None)
+
+    def resolve(self, name: str, key: str | None = None) -> Route:
+        """`key`: the client's route key (a canary's sticky split, issue 25); NAME@N: 400/404/410."""
+        route = self.resolver.resolve(name, key) or self.resolver.resolve_pinned(name)
         if route is None:
             names = ", ".join(self.resolver.served_names())
             raise ApiError(404, "model_not_found", f"model {clip(name)!r} is not served here; served models: {names}")

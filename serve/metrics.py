@@ -23,9 +23,15 @@ SERVICE_RATE = "lorafleet_gateway_service_rate"  # gauge{base}: tasks/s the live
 # gauge{base, consumer}: num_pending + num_ack_pending of the base's durable consumer, as JetStream reported it at
 # the last read (what KEDA's nats-jetstream trigger scales on, for Prometheus-based autoscalers and dashboards)
 CONSUMER_LAG = "lorafleet_gateway_consumer_lag"
+# Per registry version of a promoted name (issue 25: a canary's two sides, pinned versions). `version` is bounded:
+# only versions the fleet state serves (champion, canary, retained), never a client's string.
+VERSION_REQUESTS = "lorafleet_gateway_version_requests"  # _total{model, version, code}
+VERSION_SECONDS = "lorafleet_gateway_version_request_seconds"  # histogram{model, version}
+VERSION_TOKENS = "lorafleet_gateway_version_tokens"  # _total{model, version}: prompt (+ completion) tokens
 
 NAMES = (REQUESTS, REQUEST_SECONDS, QUEUE_WAIT_SECONDS, BATCH_SIZE, TASKS_IN_FLIGHT, DROPPED_RESULTS,
-         TASKS_PUBLISHED, REFUSED, BACKLOG, SERVICE_RATE, CONSUMER_LAG)
+         TASKS_PUBLISHED, REFUSED, BACKLOG, SERVICE_RATE, CONSUMER_LAG, VERSION_REQUESTS, VERSION_SECONDS,
+         VERSION_TOKENS)
 
 _LATENCY_BUCKETS = (0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2,
                     0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
@@ -55,6 +61,14 @@ class GatewayMetrics:
                                   "measured yet).", ["base"], registry=r)
         self.consumer_lag = Gauge(CONSUMER_LAG, "Tasks of a base's consumer not yet acked (waiting + delivered), "
                                   "from JetStream at the last read.", ["base", "consumer"], registry=r)
+        self.version_requests = Counter(VERSION_REQUESTS, "Requests by promoted name, registry version and status "
+                                        "code (a canary's sides; 5xx are errors).", ["model", "version", "code"],
+                                        registry=r)
+        self.version_seconds = Histogram(VERSION_SECONDS, "Request latency inside the gateway by promoted name and "
+                                         "registry version.", ["model", "version"], buckets=_LATENCY_BUCKETS,
+                                         registry=r)
+        self.version_tokens = Counter(VERSION_TOKENS, "Tokens computed by promoted name and registry version.",
+                                      ["model", "version"], registry=r)
         # Computed at scrape time from the pending table: zero cost on the request path.
         self.tasks_in_flight = Gauge(TASKS_IN_FLIGHT, "Tasks published and still awaiting their result.",
                                      registry=r)
@@ -66,8 +80,12 @@ class GatewayMetrics:
         self._request_children: dict[tuple[str, str, int], tuple[Any, Any]] = {}
         self._result_children: dict[str, tuple[Any, Any]] = {}
         self._published_children: dict[str, Any] = {}
+        self._version_children: dict[tuple[str, str, int], tuple[Any, Any, Any]] = {}
 
-    def request_done(self, route: str, model: str, code: int, seconds: float) -> None:
+    def request_done(self, route: str, model: str, code: int, seconds: float, version: str | None = None,
+                     tokens: int = 0) -> None:
+        if version is not None:
+            self.version_done(model, version, code, seconds, tokens)
         key = (route, model, code)
         children = self._request_children.get(key)
         if children is None:
@@ -75,6 +93,18 @@ class GatewayMetrics:
             self._request_children[key] = children
         children[0].inc()
         children[1].observe(seconds)
+
+    def version_done(self, model: str, version: str, code: int, seconds: float, tokens: int = 0) -> None:
+        key = (model, version, code)
+        children = self._version_children.get(key)
+        if children is None:
+            children = (self.version_requests.labels(model, version, str(code)),
+                        self.version_seconds.labels(model, version), self.version_tokens.labels(model, version))
+            self._version_children[key] = children
+        children[0].inc()
+        children[1].observe(seconds)
+        if tokens:
+            children[2].inc(tokens)
 
     def result_received(self, base: str, queue_ms: float, batch_size: int) -> None:
         children = self._result_children.get(base)
@@ -107,3 +137,4 @@ class GatewayMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+

@@ -224,13 +224,14 @@ class RerankRoutes:
         from lorafleet.serve.routes import read_body  # the body limit, shared with every route
 
         t0 = time.perf_counter()
-        model = "_invalid"
+        model, version = "_invalid", None
         try:
             self.gw.keys.check(request.headers.get("authorization"))
             req = parse_rerank(await read_body(request, self.gw.cfg.max_body_bytes),
                                self.gw.cfg.max_rerank_documents, tei_allowed)
-            route = self.gw.resolve(req.model if req.model is not None else only_reranker(self.gw))
-            model = route.name
+            route = self.gw.resolve(req.model if req.model is not None else only_reranker(self.gw),
+                                    self.gw.route_key(request))  # a canary's sticky split (issue 25)
+            model, version = route.name, route.version
             out = await score(self.gw, route, req.query, req.documents, self._deadline(request))
             order = ranked(out.scores, req.top_n)
             if req.tei:
@@ -251,7 +252,7 @@ class RerankRoutes:
             response = exc.response()
         except Exception:  # a bug, not the client's fault: the JSON error shape, a request id, counted
             response = internal_error(log, request.url.path)
-        self.gw.metrics.request_done("rerank", model, response.status_code, time.perf_counter() - t0)
+        self.gw.metrics.request_done("rerank", model, response.status_code, time.perf_counter() - t0, version)
         return response
 
     async def score(self, request: Request) -> Response:
@@ -259,11 +260,11 @@ class RerankRoutes:
         from lorafleet.serve.routes import read_body
 
         t0 = time.perf_counter()
-        model = "_invalid"
+        model, version = "_invalid", None
         try:
             self.gw.keys.check(request.headers.get("authorization"))
-            route = self.gw.resolve(request.path_params["model"])
-            model = route.name
+            route = self.gw.resolve(request.path_params["model"], self.gw.route_key(request))
+            model, version = route.name, route.version
             self.gw.require(route, wire.SCORE)
             req = parse_score(await read_body(request, self.gw.cfg.max_body_bytes), self.gw.cfg.max_rerank_documents)
             out = await score(self.gw, route, req.query, req.documents, self._deadline(request, req.deadline_ms))
@@ -274,7 +275,7 @@ class RerankRoutes:
             response = exc.response()
         except Exception:
             response = internal_error(log, request.url.path)
-        self.gw.metrics.request_done("score", model, response.status_code, time.perf_counter() - t0)
+        self.gw.metrics.request_done("score", model, response.status_code, time.perf_counter() - t0, version)
         return response
 
 

@@ -3,19 +3,22 @@
 Base models serve themselves under their own name; each ServedModel adds a name that runs its
 base with a LoRA adapter. A promoted name (fleet state) is also served pinned, NAME@N for its champion
 and each retained former champion (issue 25); its routes carry the version, which responses name.
+A name under a canary (`promote --canary P`) sends P % of its plain-name requests, by a sticky hash of each
+client's route key (lorafleet.fleet_state.route_bucket), to the canary version, also served pinned as NAME@N.
 `set_models` swaps the adapter routes atomically at runtime (the
 registry feeds it from the fleet KV bucket), so a lookup never sees a half-updated table.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from lorafleet.config import ConfigError, FleetConfig, ServedModel, check_served_models
-from lorafleet.fleet_state import FleetEntry
+from lorafleet.fleet_state import FleetEntry, route_bucket
 from lorafleet.refs import PinnedNameError, parse_pinned, pinned_name
 from lorafleet.serve.errors import ApiError, clip
 
@@ -52,6 +55,7 @@ class Pinned:
     routes: Mapping[str, Route]  # version → route (the champion's included)
     until: Mapping[str, float | None]  # version → end of its retention window (None: none, or the champion)
     retired: frozenset[str] = frozenset()
+    canary: str | None = None  # the version under a canary (live while the canary lasts)
 
     def live(self, now: float) -> list[str]:
         return [v for v in sorted(self.routes, key=int, reverse=True)
@@ -70,7 +74,37 @@ def pinned_routes(entry: FleetEntry, base_route: Route, bases: Iterable[str]) ->
         routes[kept.version] = Route(name=entry.name, base=kept.base, adapter=kept.adapter_id,
                                      adapter_uri=kept.adapter_uri, specialist=_specialist(old), version=kept.version)
         until[kept.version] = kept.until
-    return Pinned(entry.version, routes, until, frozenset(entry.retired) - set(routes))
+    canary = entry.canary_as_entry()
+    if canary is not None and canary.base in bases:
+        routes[canary.version] = Route(name=entry.name, base=canary.base, adapter=canary.adapter_id,
+                                       adapter_uri=canary.adapter_uri, specialist=_specialist(canary),
+                                       version=canary.version)
+        until[canary.version] = None
+    return Pinned(entry.version, routes, until, frozenset(entry.retired) - set(routes),
+                  canary.version if canary is not None and canary.version in routes else None)
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    """A canary's share of one name: `percent` of the route keys (by route_bucket) go to `route`."""
+
+    percent: float
+    route: Route
+
+
+ROUTE_KEY_HEADER = "x-lorafleet-route-key"
+
+
+def route_key(header: str | None, authorization: str | None, address: str | None) -> str:
+    """Who a request comes from, for a canary's sticky split: the route-key header as given, else the API key's id,
+    else the client address (both as digests: neither ends up in logs or labels). Prefixed by kind so a header
+    value never collides with a key's id."""
+    if header:
+        return f"h:{header}"
+    _, _, token = (authorization or "").partition(" ")
+    if token.strip():
+        return "k:" + hashlib.sha256(token.strip().encode()).hexdigest()[:16]
+    return "a:" + hashlib.sha256((address or "").encode()).hexdigest()[:16]
 
 
 def _specialist(entry: FleetEntry) -> Specialist | None:
@@ -88,7 +122,7 @@ class Resolver:
         self._bases = tuple(dict.fromkeys(bases))
         if not self._bases:
             raise ConfigError("a fleet needs at least one base model")
-        self._table: tuple[dict[str, Route], dict[str, Pinned]] = ({}, {})
+        self._table: tuple[dict[str, Route], dict[str, Pinned], dict[str, Split]] = ({}, {}, {})
         self.set_models(models)
 
     @classmethod
@@ -108,6 +142,7 @@ class Resolver:
         versions = {e.name: e for e in entries}
         routes = {b: Route(name=b, base=b) for b in self._bases}
         pins: dict[str, Pinned] = {}
+        splits: dict[str, Split] = {}
         for m in models:
             entry = versions.get(m.name)
             # Only when the route is the entry's (a fleet-file model of that name is not a version of it).
@@ -117,15 +152,30 @@ class Resolver:
                                    specialist=(specialists or {}).get(m.name),
                                    version=entry.version if entry is not None else None)
             if entry is not None:
-                pins[m.name] = pinned_routes(entry, routes[m.name], self._bases)
-        self._table = (routes, pins)  # one assignment: readers see the old table or the new one
+                pins[m.name] = pinned = pinned_routes(entry, routes[m.name], self._bases)
+                if pinned.canary is not None and entry.canary is not None:
+                    splits[m.name] = Split(entry.canary.percent, pinned.routes[pinned.canary])
+        self._table = (routes, pins, splits)  # one assignment: readers see the old table or the new one
 
     @property
     def _routes(self) -> dict[str, Route]:
         return self._table[0]
 
-    def resolve(self, name: str) -> Route | None:
-        return self._routes.get(name)
+    def resolve(self, name: str, key: str | None = None) -> Route | None:
+        """The route of a served name; under a canary, the canary's for the route keys in its share (a request
+        without a key stays on the champion)."""
+        route = self._routes.get(name)
+        split = self._table[2].get(name) if key is not None else None
+        if split is not None and key is not None and route_bucket(name, key) < split.percent:
+            return split.route
+        return route
+
+    @property
+    def has_splits(self) -> bool:
+        return bool(self._table[2])
+
+    def splits(self) -> dict[str, Split]:
+        return dict(self._table[2])
 
     def pinned(self) -> dict[str, Pinned]:
         return dict(self._table[1])

@@ -53,12 +53,12 @@ class Routes:
 
     async def embeddings(self, request: Request) -> Response:
         t0 = time.perf_counter()
-        model = "_invalid"  # bounded label cardinality: only served names or this
+        model, version, tokens = "_invalid", None, 0  # bounded label cardinality: only served names or this
         try:
             self.gw.keys.check(request.headers.get("authorization"))
             req = parse_embeddings(await read_body(request, self.gw.cfg.max_body_bytes), self.gw.cfg.max_inputs)
-            route = self.gw.resolve(req.model)
-            model = route.name
+            route = self.gw.resolve(req.model, self.gw.route_key(request))  # a canary's sticky split (issue 25)
+            model, version = route.name, route.version
             self.gw.require(route, wire.EMBED)
             self.gw.check_dimensions(route, req.dimensions)
             deadline_s = deadline_seconds(request.headers.get(DEADLINE_HEADER), None,
@@ -82,16 +82,16 @@ class Routes:
             response = exc.response()
         except Exception:  # a bug, not the client's fault: the JSON error shape, a request id, counted
             response = internal_error(log, request.url.path)
-        self._observe("embeddings", model, response.status_code, t0)
+        self._observe("embeddings", model, response.status_code, t0, version, tokens)
         return response
 
     async def encode(self, request: Request) -> Response:
         t0 = time.perf_counter()
-        model = "_invalid"
+        model, version, tokens = "_invalid", None, 0
         try:
             self.gw.keys.check(request.headers.get("authorization"))
-            route = self.gw.resolve(request.path_params["model"])
-            model = route.name
+            route = self.gw.resolve(request.path_params["model"], self.gw.route_key(request))
+            model, version = route.name, route.version
             self.gw.require(route, wire.EMBED)
             req = parse_encode(await read_body(request, self.gw.cfg.max_body_bytes), self.gw.cfg.max_inputs)
             deadline_s = deadline_seconds(request.headers.get(DEADLINE_HEADER), req.deadline_ms,
@@ -103,7 +103,7 @@ class Routes:
             response = exc.response()
         except Exception:  # a bug, not the client's fault: the JSON error shape, a request id, counted
             response = internal_error(log, request.url.path)
-        self._observe("encode", model, response.status_code, t0)
+        self._observe("encode", model, response.status_code, t0, version, tokens)
         return response
 
     async def chat_completions(self, request: Request) -> Response:
@@ -115,19 +115,19 @@ class Routes:
     async def _generate(self, request: Request, kind: str) -> Response:
         t0 = time.perf_counter()
         name = "chat" if kind == CHAT else "completions"
-        model = "_invalid"
+        model, version, tokens = "_invalid", None, 0
         try:
             self.gw.keys.check(request.headers.get("authorization"))
             body = parse_generation(await read_body(request, self.gw.cfg.max_body_bytes), kind)  # type: ignore[arg-type]
-            route = self.gw.resolve(body.model)
-            model = route.name
+            route = self.gw.resolve(body.model, self.gw.route_key(request))
+            model, version = route.name, route.version
             deadline_s = deadline_seconds(request.headers.get(DEADLINE_HEADER), None,
                                           self.gw.cfg.default_deadline_s, self.gw.cfg.max_deadline_s)
             prepared = await self.gw.prepare(route, body)
             generation = await self.gw.generate(route, prepared, deadline_s)
             shaper = Shaper(body.kind, route.model, generation.request_id)  # the exact version: NAME@N
             if body.stream:  # counted when the stream ends
-                return StreamingResponse(self._events(generation, shaper, body.include_usage, model, t0),
+                return StreamingResponse(self._events(generation, shaper, body.include_usage, model, t0, version),
                                          media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
             try:
                 result = await _unless_disconnected(request, generation)
@@ -136,21 +136,22 @@ class Routes:
             if result is None:  # the client is gone; nobody reads this
                 response = error_response(499, "client_closed_request", "the client closed the connection")
             else:
+                tokens = result.prompt_tokens + result.completion_tokens
                 response = Response(shaper.whole(result.text or "", result.finish_reason, result.prompt_tokens,
                                                  result.completion_tokens), media_type="application/json")
         except ApiError as exc:
             response = exc.response()
         except Exception:  # a bug, not the client's fault: the JSON error shape, a request id, counted
             response = internal_error(log, request.url.path)
-        self._observe(name, model, response.status_code, t0)
+        self._observe(name, model, response.status_code, t0, version, tokens)
         return response
 
     async def _events(self, generation: Generation, shaper: Shaper, include_usage: bool, model: str,
-                      t0: float) -> AsyncIterator[bytes]:
+                      t0: float, version: str | None = None) -> AsyncIterator[bytes]:
         """The SSE body of a streamed generation; cancelled by Starlette when the client disconnects."""
         stream = generation.stream
         assert stream is not None
-        code = 200
+        code, tokens = 200, 0
         try:
             if shaper.kind == CHAT:
                 yield shaper.event(None, role=True)
@@ -161,6 +162,7 @@ class Routes:
                 elif event.kind == "final":
                     r = event.result
                     assert r is not None
+                    tokens = r.prompt_tokens + r.completion_tokens
                     yield shaper.event(None, r.finish_reason)
                     if include_usage:
                         yield shaper.usage_event(r.prompt_tokens, r.completion_tokens)
@@ -175,10 +177,11 @@ class Routes:
             raise
         finally:
             generation.close()
-            self._observe("chat" if shaper.kind == CHAT else "completions", model, code, t0)
+            self._observe("chat" if shaper.kind == CHAT else "completions", model, code, t0, version, tokens)
 
-    def _observe(self, route: str, model: str, code: int, t0: float) -> None:
-        self.gw.metrics.request_done(route, model, code, time.perf_counter() - t0)
+    def _observe(self, route: str, model: str, code: int, t0: float, version: str | None = None,
+                 tokens: int = 0) -> None:
+        self.gw.metrics.request_done(route, model, code, time.perf_counter() - t0, version, tokens)
 
     async def models(self, request: Request) -> Response:
         try:
@@ -201,8 +204,12 @@ class Routes:
                     **({"context_length": info.prompts.context} if info and info.prompts else {}), **extra}
 
         data = []
+        splits = self.gw.resolver.splits()
         for r in self.gw.resolver.routes():
-            data.append(row(r, r.name, **({"version": r.version} if r.version is not None else {})))
+            extra: dict[str, Any] = {"version": r.version} if r.version is not None else {}
+            if (split := splits.get(r.name)) is not None:  # under a canary: which version takes what share
+                extra["canary"] = {"version": split.route.version, "percent": split.percent}
+            data.append(row(r, r.name, **extra))
             pinned = pins.get(r.name)
             for v in pinned.live(now) if pinned is not None else ():
                 data.append(row(pinned.routes[v], pinned.routes[v].model, version=v, pinned_to=r.name,

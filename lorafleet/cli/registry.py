@@ -155,18 +155,41 @@ def promote(
                                           "does not confirm in time fails the promotion, nothing changed."),
     retain: str = typer.Option(None, "--retain", help=RETAIN_HELP),
     retain_versions: int = typer.Option(None, "--retain-versions", help=RETAIN_VERSIONS_HELP),
+    canary: float = typer.Option(None, "--canary", help="Send only this percent (0 < P < 100) of the name's traffic "
+                                 "to the version, sticky per client (X-Lorafleet-Route-Key, else the API key, else "
+                                 "the address); the rest stays on the champion. End it with --finish or --abort."),
+    finish: bool = typer.Option(False, "--finish", help="End the canary in progress: its version becomes champion "
+                                "(gate, preload and retention as for a promote)."),
+    abort: bool = typer.Option(False, "--abort", help="End the canary in progress: all traffic back on the "
+                               "champion, which stays as it is."),
 ) -> None:
     """Quality gate → preload on the base's workers → alias 'champion' → live fleet state: gateways and workers
-    switch without a restart, and the first requests to the new version do not wait for a download."""
+    switch without a restart, and the first requests to the new version do not wait for a download. With
+    --canary P only P % of the traffic goes to the version until --finish (or --abort)."""
     from lorafleet.cli import echo_home
     from lorafleet.registry.promote import promote as do_promote
 
     echo_home()
+    chosen = [f for f, on in (("--canary", canary is not None), ("--finish", finish), ("--abort", abort)) if on]
+    if len(chosen) > 1:
+        _fail(f"{' and '.join(chosen)} do not go together: start a canary, or end the one in progress")
+    if (finish or abort) and version is not None:
+        _fail(f"{chosen[0]} ends the canary in progress, whose version is already chosen: leave out --version")
     preload = _preload(no_preload, preload_timeout)
     changes = _retention_changes(retain, retain_versions)
+    if canary is not None or abort:
+        _canary(name, version, canary, force=force, margin=margin, nats_url=nats_url, fleet=fleet, creds=creds,
+                preload=preload)
+        return
     try:
-        out = do_promote(name, version, force=force, margin=margin, nats_url=nats_url, fleet_file=fleet,
-                         creds=creds, preload=preload, retention_changes=changes)
+        if finish:
+            from lorafleet.registry.canary import finish as do_finish
+
+            out = do_finish(name, force=force, margin=margin, nats_url=nats_url, fleet_file=fleet, creds=creds,
+                            preload=preload, retention_changes=changes)
+        else:
+            out = do_promote(name, version, force=force, margin=margin, nats_url=nats_url, fleet_file=fleet,
+                             creds=creds, preload=preload, retention_changes=changes)
     except _errors() as exc:
         _fail(str(exc))
         return
@@ -183,6 +206,31 @@ def promote(
                f"(adapter {out.entry.adapter_id}, base {out.entry.base})")
     for line in client_notes(out.entry, out.previous):
         typer.echo(line)
+
+
+def _canary(name: str, version: str | None, percent: float | None, *, force: bool, margin: float | None,
+            nats_url: str | None, fleet: Path | None, creds: Path | None, preload: Preload) -> None:
+    """`promote --canary P` (percent given) or `promote --abort` (None)."""
+    from lorafleet.registry import canary
+
+    try:
+        if percent is None:
+            out = canary.abort(name, nats_url=nats_url, fleet_file=fleet, creds=creds)
+        else:
+            out = canary.start(name, version, percent, force=force, margin=margin, nats_url=nats_url,
+                               fleet_file=fleet, creds=creds, preload=preload)
+    except _errors() as exc:
+        _fail(str(exc))
+        return
+    if out.canary is None:
+        typer.echo(f"{name}: canary of v{out.aborted} aborted; all traffic on the champion v{out.champion} "
+                   f"(published to {out.nats_url})")
+        return
+    if out.gate is not None and not out.gate.ok:
+        typer.secho("gate FAILED but --force given: " + "; ".join(out.gate.reasons), fg=typer.colors.YELLOW)
+    typer.echo(f"{name}: canary v{out.canary} takes {out.percent:g} % of the traffic, champion v{out.champion} the "
+               f"rest (sticky per client; published to {out.nats_url}). Both answer as {name}@N; end it with "
+               f"`lorafleet promote {name} --finish` or `--abort`")
 
 
 def rollback(

@@ -64,6 +64,8 @@ def status(
             return
         info = {"source": "local", "note": f"NATS unreachable ({exc}); showing the local processes only",
                 "cluster": {}, "workers": {}, "queue": {"error": str(exc)}}
+    if info.get("source") == "nats":
+        info["canaries"] = _canaries(info["nats_url"], state, client)
     if state is not None:
         info["processes"] = processes(home, state)
         info["gateway_url"] = state.gateway_url
@@ -71,6 +73,19 @@ def status(
         typer.echo(json.dumps(info, indent=2, default=str))
         return
     _print(info, state)
+
+
+def _canaries(url: str, state: Any, client: Any) -> list[dict[str, Any]] | dict[str, str]:
+    """Each canary's split from the fleet state (issue 25); {"error": …} when it cannot be read."""
+    import asyncio
+
+    from lorafleet.registry.canary import read_canaries
+    from lorafleet.registry.promote import control_client
+
+    try:
+        return asyncio.run(read_canaries(url, client or control_client(state)))
+    except Exception as exc:  # the rest of the status is still worth showing
+        return {"error": str(exc)}
 
 
 def _fail(message: str, code: int = 1) -> None:
@@ -114,6 +129,15 @@ def _print(info: dict[str, Any], state: Any) -> None:
             f"{hb['tasks_done']}"
             f"{engines}{'  draining' if hb['draining'] else ''}"
         )
+    canaries = info.get("canaries", [])
+    if canaries:
+        typer.echo("canaries (from the fleet state):")
+    if isinstance(canaries, dict):
+        typer.echo(f"  unavailable: {canaries['error']}")
+    for c in canaries if isinstance(canaries, list) else ():
+        watch = f"watched by {c['watcher']}" if c.get("watcher") else "nobody watches (it stays until --finish/--abort)"
+        typer.echo(f"  {c['name']:<20} champion v{c['champion']} {c['champion_percent']:g} %  canary v{c['canary']} "
+                   f"{c['percent']:g} %  {watch}")
     typer.echo("queue (per consumer):")
     queue = info["queue"]
     if "error" in queue:

@@ -1,0 +1,254 @@
+"""Canary promotion (issue 25): part of a name's traffic on a candidate version before it becomes champion.
+
+`lorafleet promote NAME --canary P` passes the same gate and preload as a promote, then writes a canary spec into
+the name's live fleet entry (under the promote lock, by compare-and-set): every gateway sends the plain name's
+requests whose route key falls below P % (lorafleet.fleet_state.route_bucket: sticky per client, the same on
+every gateway and after a restart) to the candidate, the rest to the champion; both stay served as NAME@N.
+`--finish` makes the candidate champion through promote's own path (gate, preload, retention of the old champion:
+the canary goes with the entry it rewrites); `--abort` removes the canary, the champion unchanged. While a canary
+runs, a plain promote or rollback of the name is refused (fleet_state.refuse_during_canary).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lorafleet.fleet_state import (
+    FleetEntry,
+    Retention,
+    canary_in_progress,
+    canary_spec,
+    delete_staged,
+    open_fleet_bucket,
+    read_entries,
+    read_entry,
+    write_entry,
+)
+from lorafleet.nats_client import ClientSettings
+from lorafleet.registry import store
+from lorafleet.registry.lock import LockBusy, promote_lock
+from lorafleet.registry.promote import (
+    Agreement,
+    Outcome,
+    Preload,
+    PromotionError,
+    _bases,
+    _connect,
+    _entry,
+    _gate_or_refuse,
+    _preload,
+    _snapshot,
+    _switch,
+    _with_retention,
+    default_margin,
+    find_fleet,
+)
+from lorafleet.registry.store import CANDIDATE, CHAMPION, VersionInfo
+from lorafleet.tasks import GateResult
+
+
+class CanaryError(PromotionError):
+    """A canary command that does not fit the name's state; nothing changed."""
+
+
+def check_percent(percent: float) -> float:
+    """The canary's share, strictly between 0 and 100 (0 is no canary, 100 is a promote)."""
+    if not isinstance(percent, int | float) or math.isnan(percent) or not 0 < percent < 100:
+        raise CanaryError(f"--canary {percent}: the share must be more than 0 and less than 100 (percent of the "
+                          "name's traffic); for all of it, promote without --canary")
+    return float(percent)
+
+
+@dataclass(frozen=True)
+class CanaryState:
+    """One name's champion and canary, and the transitions between them; each refused transition raises
+    CanaryError (read under the name's promote lock, so the answer holds until the write)."""
+
+    name: str
+    champion: str | None
+    canary: str | None = None
+    percent: float = 0.0
+
+    @classmethod
+    def of(cls, name: str, entry: FleetEntry | None) -> CanaryState:
+        if entry is None:
+            return cls(name, None)
+        c = entry.canary
+        return cls(name, entry.version, c.version if c else None, c.percent if c else 0.0)
+
+    def start(self, version: str, percent: float) -> CanaryState:
+        percent = check_percent(percent)
+        if self.canary is not None:
+            raise CanaryError(f"a canary of {self.name} is already in progress (v{self.canary} at {self.percent:g} "
+                              f"%); nothing changed. End it first: `lorafleet promote {self.name} --finish` or "
+                              "`--abort`")
+        if self.champion is None:
+            raise CanaryError(f"{self.name} is not served yet: a canary splits a served name's traffic between its "
+                              f"champion and a candidate; promote a first version without --canary")
+        if version == self.champion:
+            raise CanaryError(f"v{version} is already the champion of {self.name}; nothing to canary")
+        return dataclasses.replace(self, canary=version, percent=percent)
+
+    def finish(self) -> CanaryState:
+        if self.canary is None:
+            raise CanaryError(f"{self.name} has no canary in progress to finish (start one with "
+                              f"`lorafleet promote {self.name} --canary P`); nothing changed")
+        return CanaryState(self.name, self.canary)
+
+    def abort(self) -> CanaryState:
+        if self.canary is None:
+            raise CanaryError(f"{self.name} has no canary in progress to abort; nothing changed")
+        return CanaryState(self.name, self.champion)
+
+
+@dataclass(frozen=True)
+class CanaryOutcome:
+    name: str
+    champion: str
+    canary: str | None  # None after --abort
+    percent: float
+    entry: FleetEntry
+    gate: GateResult | None
+    nats_url: str
+    aborted: str | None = None  # the version --abort took out
+
+
+def _history(state: Agreement, version: str) -> tuple[str, ...]:
+    return state.history if state.history[-1:] == (version,) else (*state.history, version)
+
+
+def start(name: str, version: str | int | None, percent: float, *, force: bool = False, margin: float | None = None,
+          nats_url: str | None = None, fleet_file: Path | None = None, creds: Path | None = None,
+          preload: Preload | None = None) -> CanaryOutcome:
+    """Gate and preload `version` (default: the `candidate` alias, else the newest) like a promote, then send
+    `percent` % of the name's route keys to it. Refused, changing nothing, for a bad share, a name not served, a
+    canary already running or another promote holding the name."""
+    check_percent(percent)  # before anything: a bad flag needs neither the registry nor the cluster
+    margin = default_margin() if margin is None else margin
+    if version is None:
+        version = store.alias_version(name, CANDIDATE)
+    info = store.get_version(name, version)
+    _gate_or_refuse(info, store.alias_version(name, CHAMPION), margin, force)
+    target = find_fleet(nats_url, fleet_file, creds)
+    preload = preload or Preload()
+
+    async def run() -> CanaryOutcome:
+        nc = await _connect(target.nats_url, target.client)
+        try:
+            kv = await open_fleet_bucket(nc.jetstream())  # type: ignore[attr-defined]
+            bases = await _bases(nc, target)
+            try:
+                async with promote_lock(kv, name, "canary") as lock:
+                    state = await _snapshot(kv, name)
+                    if not state.agrees:
+                        raise CanaryError(f"{name}: the registry and the fleet disagree ({state.describe()}); "
+                                          f"run `lorafleet registry check {name} --repair` first")
+                    CanaryState.of(name, state.entry).start(info.version, percent)
+                    gate = await asyncio.to_thread(_gate_or_refuse, info, state.champion, margin, force)
+                    _, spec = await asyncio.to_thread(store.bundle_spec, info.name, info.version)
+                    if spec.base.name not in bases:
+                        raise CanaryError(f"{name} v{info.version} runs on base {spec.base.name!r}, which this fleet "
+                                          f"does not serve (it serves: {', '.join(bases)})")
+                    candidate = _entry(info, spec.base.name, spec.profile, "promote", spec)
+                    preloaded = await _preload(nc, kv, candidate, target, preload) if preload.enabled else None
+                    try:
+                        lock.ensure()
+                        fresh = await _snapshot(kv, name)
+                        if fresh.key() != state.key() or fresh.entry is None:
+                            raise CanaryError(f"{name} changed while the preload ran (was: {state.describe()}; now: "
+                                              f"{fresh.describe()}); nothing changed. Run it again")
+                        entry = fresh.entry.model_copy(update={"canary": canary_spec(candidate, percent)})
+                        await write_entry(kv, entry, last=fresh.revision)
+                    finally:
+                        if preloaded is not None:
+                            with contextlib.suppress(Exception):
+                                await delete_staged(kv, name)
+            except LockBusy as exc:
+                raise CanaryError(str(exc)) from exc
+            return CanaryOutcome(name, entry.version, info.version, percent, entry, gate, target.nats_url)
+        finally:
+            with contextlib.suppress(Exception):
+                await nc.close()  # type: ignore[attr-defined]
+
+    return asyncio.run(run())
+
+
+def finish(name: str, *, force: bool = False, margin: float | None = None, nats_url: str | None = None,
+           fleet_file: Path | None = None, creds: Path | None = None, preload: Preload | None = None,
+           retention: Retention | None = None, retention_changes: dict[str, float | int | None] | None = None
+           ) -> Outcome:
+    """The canary becomes champion through promote's path (gate against the champion as it is then, preload,
+    compare-and-set, the old champion retained as NAME@N); the entry it writes has no canary."""
+    margin = default_margin() if margin is None else margin
+    target = _with_retention(find_fleet(nats_url, fleet_file, creds), retention, retention_changes)
+
+    def decide(state: Agreement) -> tuple[VersionInfo, tuple[str, ...], GateResult | None]:
+        after = CanaryState.of(name, state.entry).finish()
+        assert after.champion is not None
+        info = store.get_version(name, after.champion)
+        return info, _history(state, info.version), _gate_or_refuse(info, state.champion, margin, force)
+
+    done = asyncio.run(_switch(target, name, "promote", decide, preload or Preload()))
+    return Outcome(name, done.entry.version, done.previous, "promote", done.entry, done.gate, target.nats_url,
+                   done.preload, done.repaired)
+
+
+def abort(name: str, *, nats_url: str | None = None, fleet_file: Path | None = None, creds: Path | None = None
+          ) -> CanaryOutcome:
+    """Remove the canary: every request of the plain name goes to the champion again; the canary's version is no
+    longer served (NAME@N for it answers 410 unless it is a retained former champion)."""
+    target = find_fleet(nats_url, fleet_file, creds)
+
+    async def run() -> CanaryOutcome:
+        nc = await _connect(target.nats_url, target.client)
+        try:
+            kv = await open_fleet_bucket(nc.jetstream())  # type: ignore[attr-defined]
+            try:
+                async with promote_lock(kv, name, "canary abort") as lock:
+                    entry, revision = await read_entry(kv, name)
+                    CanaryState.of(name, entry).abort()
+                    assert entry is not None and entry.canary is not None
+                    gone = entry.canary.version
+                    kept = {r.version for r in entry.retained}
+                    retired = entry.retired if gone in kept else [gone, *(v for v in entry.retired if v != gone)]
+                    new = entry.model_copy(update={"canary": None, "retired": retired})
+                    lock.ensure()
+                    await write_entry(kv, new, last=revision)
+            except LockBusy as exc:
+                raise CanaryError(str(exc)) from exc
+            return CanaryOutcome(name, new.version, None, 0.0, new, None, target.nats_url, aborted=gone)
+        finally:
+            with contextlib.suppress(Exception):
+                await nc.close()  # type: ignore[attr-defined]
+
+    return asyncio.run(run())
+
+
+def describe(entry: FleetEntry) -> dict[str, Any]:
+    """A name's split as `lorafleet status` shows it."""
+    c = entry.canary
+    assert c is not None
+    return {"name": entry.name, "champion": entry.version, "canary": c.version, "percent": c.percent,
+            "champion_percent": 100.0 - c.percent, "started": c.started, "watcher": c.watcher,
+            "watch_until": c.watch_until}
+
+
+async def read_canaries(nats_url: str, client: ClientSettings | None = None) -> list[dict[str, Any]]:
+    """Every canary in the fleet state (for `lorafleet status`)."""
+    nc = await _connect(nats_url, client)
+    try:
+        kv = await open_fleet_bucket(nc.jetstream())  # type: ignore[attr-defined]
+        return [describe(e) for _, e in sorted((await read_entries(kv)).items()) if e.canary is not None]
+    finally:
+        with contextlib.suppress(Exception):
+            await nc.close()  # type: ignore[attr-defined]
+
+
+__all__ = ["CanaryError", "CanaryOutcome", "CanaryState", "abort", "canary_in_progress", "check_percent", "finish",
+           "read_canaries", "start"]
