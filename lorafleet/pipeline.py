@@ -14,6 +14,7 @@ The CLI (`lorafleet research run`, `lorafleet tune`) is a thin wrapper over thes
 
 from __future__ import annotations
 
+import random
 import re
 import shutil
 import sys
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lorafleet import settings
+from lorafleet import settings, wire
 from lorafleet.config import ServingProfile
 from lorafleet.models import base_name_for
 from lorafleet.refs import parse_ref
@@ -35,16 +36,26 @@ from lorafleet.research.result import ResearchResult
 from lorafleet.research.runner import loaded_from_study, run_research
 from lorafleet.tasks import get_task_kind
 from lorafleet.tune.config import TuneConfig, TuneError
+from lorafleet.tune.precision import DevSet
 from lorafleet.tune.source import TuneSource, from_adapter_dir
 from lorafleet.tune.sweep import run_tune
 
 # `promote` and `rollback` are the registry's (gate → alias → fleet state), offered here as pipeline verbs.
-__all__ = ["Outcome", "PipelineResult", "ShipError", "Shipped", "promote", "resolve_tune_source", "resume",
-           "rollback", "run", "ship", "tune"]
+__all__ = ["Outcome", "PipelineResult", "ShipError", "Shipped", "dev_set_for", "promote", "resolve_tune_source",
+           "resume", "rollback", "run", "ship", "tune", "winner_tune_source"]
 
 Say = Callable[[str], None]
 TAG_PARENT = "research.parent_run_id"
 TAG_TRIAL = "research.winner_trial"
+# bundle.yaml `details` key holding the winner's `train:` section: what rebuilds its dev set for `lorafleet tune`.
+TRAIN_CONFIG = "train_config"
+# bundle.yaml `details` key: the tuned precision's quality verdict (nDCG@10 loss vs fp32, min cosine, the reason).
+PRECISION_QUALITY = "precision_quality"
+# The precision guard's dev set, capped so that encoding it at each precision costs ~10 s on 2 CPUs (all-MiniLM-L6,
+# 128 tokens: 800 long texts took 15 s on a loaded 2-core machine; queries are short): a seeded
+# sample of dev queries, the documents they need, and a seeded sample of the rest up to DEV_MAX_DOCUMENTS.
+DEV_MAX_QUERIES = 200
+DEV_MAX_DOCUMENTS = 400
 
 
 class ShipError(RuntimeError):
@@ -150,16 +161,18 @@ def ship(result: ResearchResult, *, name: str | None = None, tune: bool = True, 
     kind = get_task_kind(result.task)
     cfg = kind.parse_config(result.winner_config, source="the winner's configuration")
     base_source = kind.base_source(cfg)
-    profile, profile_source, tune_dir = None, "default", None
+    profile, profile_source, tune_dir, quality = None, "default", None, None
     reports = [Path(p) for p in [result.report_path] if p and Path(p).is_file()]
     if tune:
         tcfg = tune_config or (TuneConfig.quick_preset() if tune_quick else TuneConfig())
         say(f"[ship] tuning the serving profile of the winner ({'quick' if tcfg.quick else 'full'} sweep)")
-        source = TuneSource(Path(adapter_dir), base_source, base_name_for(base_source), None, name)
-        tuned = run_tune(source, tcfg, say=say)
+        tuned = run_tune(winner_tune_source(result, name, say=say), tcfg, say=say)
         profile, profile_source, tune_dir = tuned.profile, "tuned", tuned.out_dir
+        quality = precision_quality(tuned.quality, tuned.profile.precision)
         reports += [p for p in tuned.files.values() if p.is_file()]
-    details = kind.bundle_details(cfg)
+    details = {**kind.bundle_details(cfg), TRAIN_CONFIG: dict(result.winner_config)}
+    if quality is not None:
+        details[PRECISION_QUALITY] = quality
     ref = register_bundle(
         name, adapter_dir, base_source=base_source, profile=profile, profile_source=profile_source,
         metrics={**result.baseline, **result.winner_metrics}, dataset_digest=result.dataset_digest,
@@ -172,6 +185,66 @@ def ship(result: ResearchResult, *, name: str | None = None, tune: bool = True, 
     )
     say(f"[ship] registered {ref.name} v{ref.version} as '{CANDIDATE}'; promote it with: lorafleet promote {ref.name}")
     return Shipped(ref, profile or ServingProfile(), profile_source, tune_dir)
+
+
+def precision_quality(quality: list[Any], precision: str | None) -> dict[str, Any] | None:
+    """The quality guard's row for the chosen precision (what the bundle records beside its profile's precision)."""
+    chosen = precision or "fp32"
+    return next((q.row() for q in quality if q.precision == chosen), None)
+
+
+def winner_tune_source(result: ResearchResult, name: str | None = None, *, say: Say | None = None) -> TuneSource:
+    """What `ship` tunes: the winner's adapter on its base, with the dev set of its config for the precision guard."""
+    kind = get_task_kind(result.task)
+    base_source = kind.base_source(kind.parse_config(result.winner_config, source="the winner's configuration"))
+    return TuneSource(Path(str(result.winner_adapter_dir)), base_source, base_name_for(base_source), None,
+                      name or result.study, dev=dev_set_for(result.task, result.winner_config, say=say))
+
+
+def dev_set_for(task: str, train_config: dict[str, Any] | None, *, digest: str | None = None,
+                say: Say | None = None) -> DevSet | None:
+    """The precision guard's dev set, rebuilt from a `train:` section through the task kind; None (the guard then
+    compares cosines on probe sentences only) for a kind that does not embed, a config that cannot rebuild its
+    data here, or data whose digest no longer matches `digest` (the bundle's)."""
+    say = _say(say)
+    if not train_config:
+        return None
+    try:
+        kind = get_task_kind(task)
+        if kind.capability != wire.EMBED:
+            return None
+        dataset = kind.build_dataset(kind.parse_config(train_config, source="the bundle's training configuration"))
+    except Exception as exc:  # the guard still runs (cosine only): a dev set is a better judge, not a requirement
+        say(f"[tune] the dev set could not be rebuilt ({type(exc).__name__}: {exc}); "
+            "the precision guard compares cosines on probe sentences only")
+        return None
+    if digest and getattr(dataset, "digest", None) != digest:
+        say(f"[tune] the data changed since training (digest {getattr(dataset, 'digest', None)} ≠ {digest}); "
+            "the precision guard compares cosines on probe sentences only")
+        return None
+    return _retrieval_dev(dataset)
+
+
+def _retrieval_dev(dataset: Any, max_queries: int = DEV_MAX_QUERIES, max_documents: int = DEV_MAX_DOCUMENTS
+                   ) -> DevSet | None:
+    """A retrieval dataset's dev split as tune's DevSet: one document per section (its first chunk, the text the
+    section leads with), since relevance is judged per section; None if it has no dev queries."""
+    queries: dict[str, str] = dict(getattr(dataset, "queries", {}).get("dev") or {})
+    qrels: dict[str, dict[str, int]] = dict(getattr(dataset, "qrels", {}).get("dev") or {})
+    first: dict[str, tuple[int, str]] = {}
+    for chunk in getattr(dataset, "corpus", {}).values():
+        if chunk.section_id not in first or chunk.index < first[chunk.section_id][0]:
+            first[chunk.section_id] = (chunk.index, chunk.text)
+    qids = sorted(q for q in queries if any(d in first for d in qrels.get(q, {})))
+    if not qids:
+        return None
+    rng = random.Random(0)
+    qids = sorted(rng.sample(qids, max_queries)) if len(qids) > max_queries else qids
+    needed = sorted({d for q in qids for d in qrels[q] if d in first})
+    rest = sorted(set(first) - set(needed))
+    docs = needed + sorted(rng.sample(rest, min(len(rest), max(max_documents - len(needed), 0))))
+    return DevSet(queries={q: queries[q] for q in qids}, corpus={d: first[d][1] for d in docs},
+                  qrels={q: {d: float(g) for d, g in qrels[q].items() if d in first} for q in qids})
 
 
 # -- tune ------------------------------------------------------------------------------------------
@@ -187,7 +260,7 @@ def resolve_tune_source(ref: str, base: str | None = None) -> TuneSource:
         if (path / BUNDLE_FILE).is_file():
             spec = read_spec(path)
             return TuneSource(path / ADAPTER_DIR, base or spec.base.source, spec.base.name, spec.base.revision,
-                              spec.name, spec.profile)
+                              spec.name, spec.profile, _bundle_dev(spec))
         if (path / "adapter_config.json").is_file():
             return from_adapter_dir(path, base)
         raise TuneError(f"{path} is neither a peft adapter folder (adapter_config.json) nor a bundle (bundle.yaml)")
@@ -199,9 +272,24 @@ def resolve_tune_source(ref: str, base: str | None = None) -> TuneSource:
     if registered is not None:
         adapter_dir, spec, info = store.fetch_adapter(registered.name, registered.ref)
         return TuneSource(adapter_dir, base or spec.base.source, spec.base.name, spec.base.revision,
-                          f"{info.name}-v{info.version}", spec.profile)
+                          f"{info.name}-v{info.version}", spec.profile, _bundle_dev(spec))
     raise TuneError(f"{ref!r} is not an adapter folder, a bundle folder, an MLflow run id (32 hex digits), "
                     "or a registered NAME@alias / NAME/version")
+
+
+def _bundle_dev(spec: Any) -> DevSet | None:
+    """The dev set of a bundle that records its training config (bundles shipped by the pipeline do)."""
+    try:
+        if get_task_kind(spec.task).capability != wire.EMBED:
+            return None  # the precision guard scores embeddings; other kinds have no dev set to hand it
+    except Exception:
+        return None
+    config = spec.details.get(TRAIN_CONFIG)
+    if not config:
+        _say(None)(f"[tune] bundle {spec.name} records no training config to rebuild its dev set from; "
+                   "the precision guard compares cosines on probe sentences only")
+        return None
+    return dev_set_for(spec.task, config, digest=spec.dataset_digest)
 
 
 def _from_run(run_id: str, base: str | None) -> TuneSource:

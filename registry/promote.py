@@ -61,6 +61,7 @@ from lorafleet.refs import version_uri
 from lorafleet.registry import store
 from lorafleet.registry.bundle import BundleSpec
 from lorafleet.registry.lock import HeldLock, LockBusy, promote_lock
+from lorafleet.registry.precision_notice import HeartbeatListener, PrecisionNotice
 from lorafleet.registry.preload import DEFAULT_PRELOAD_TIMEOUT_S, PreloadResult, wait_preloaded
 from lorafleet.registry.store import CANDIDATE, CHAMPION, VersionInfo
 from lorafleet.tasks import GateResult, get_task_kind
@@ -284,6 +285,7 @@ class Outcome:
     nats_url: str
     preload: PreloadResult | None = None  # None: --no-preload
     repaired: Agreement | None = None  # the disagreement found (and repaired) before switching
+    precision: PrecisionNotice | None = None  # the tuned precision against what the base's workers serve (issue 27)
 
 
 def _entry(info: VersionInfo, base: str, profile: ServingProfile | None,
@@ -339,6 +341,7 @@ class _Switched:
     gate: GateResult | None
     previous: str | None
     repaired: Agreement | None
+    precision: PrecisionNotice | None = None
 
 
 def _move(name: str, version: str, history: tuple[str, ...]) -> None:
@@ -410,12 +413,17 @@ async def _switch(target: FleetTarget, name: str, action: Literal["promote", "ro
     nc = await _connect(target.nats_url, target.client)
     try:
         kv = await open_fleet_bucket(nc.jetstream())  # type: ignore[attr-defined]
+        listener = await HeartbeatListener().start(nc)  # what the base's workers serve at, for the notice
         bases = await _bases(nc, target)
         try:
             async with promote_lock(kv, name, action) as lock:
-                return await _switch_locked(nc, kv, lock, target, bases, name, action, decide, preload)
+                done = await _switch_locked(nc, kv, lock, target, bases, name, action, decide, preload)
         except LockBusy as exc:
             raise PromotionError(str(exc)) from exc
+        tuned = done.entry.profile.precision if done.entry.profile is not None else None
+        notice = await listener.notice(done.entry.base, tuned, target.heartbeat_s)
+        await listener.close()
+        return dataclasses.replace(done, precision=notice)
     finally:
         with contextlib.suppress(Exception):
             await nc.close()  # type: ignore[attr-defined]
@@ -459,7 +467,7 @@ def promote(name: str, version: str | int | None = None, *, force: bool = False,
 
     done = asyncio.run(_switch(target, name, "promote", decide, preload or Preload()))
     return Outcome(name, info.version, done.previous, "promote", done.entry, done.gate, target.nats_url,
-                   done.preload, done.repaired)
+                   done.preload, done.repaired, done.precision)
 
 
 def rollback(name: str, *, nats_url: str | None = None, fleet_file: Path | None = None,
@@ -477,7 +485,7 @@ def rollback(name: str, *, nats_url: str | None = None, fleet_file: Path | None 
 
     done = asyncio.run(_switch(target, name, "rollback", decide, preload or Preload()))
     return Outcome(name, done.entry.version, done.previous, "rollback", done.entry, None, target.nats_url,
-                   done.preload, done.repaired)
+                   done.preload, done.repaired, done.precision)
 
 
 def check(name: str, *, nats_url: str | None = None, fleet_file: Path | None = None, creds: Path | None = None,
