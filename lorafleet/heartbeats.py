@@ -113,8 +113,9 @@ class Beacon:
     """
 
     def __init__(self, nc: Any, role: str, name: str, state: Callable[[], str | Awaitable[str]],
-                 every_s: float = PRESENCE_EVERY_S) -> None:
+                 every_s: float = PRESENCE_EVERY_S, stats: Callable[[], GatewayStats | None] | None = None) -> None:
         self.nc, self.role, self.name, self.state, self.every_s = nc, role, name, state, every_s
+        self.stats = stats  # a gateway's per-version counters, published with its presence (issue 25)
         self.subject = presence_subject(role, name)
         self.host, self.pid, self.restarts = socket.gethostname(), os.getpid(), restarts_from_env()
         self.started = time.time()
@@ -137,6 +138,9 @@ class Beacon:
             state = await state
         p = Presence(self.role, self.name, self.host, self.pid, str(state), self.restarts, self.started)
         await self.nc.publish(self.subject, p.to_wire())
+        stats = self.stats() if self.stats is not None else None
+        if stats is not None:
+            await self.nc.publish(stats_subject(self.name), stats.to_wire())
 
     async def _run(self) -> None:
         while True:
@@ -168,3 +172,105 @@ async def collect_presence(nc: Any, listen_s: float = PRESENCE_EVERY_S * 1.5) ->
         with contextlib.suppress(Exception):
             await sub.unsubscribe()
     return seen
+
+
+# Per-version figures (issue 25, `promote --canary P --watch`): every gateway publishes, with its presence, its
+# cumulative counters per (served name, registry version) on `lorafleet.stats.gateway.<id>`; a watcher sums the
+# deltas over all gateways, so it judges the whole fleet's traffic, not one gateway's view.
+STATS_PREFIX = "lorafleet.stats"
+STATS_SUBJECT = f"{STATS_PREFIX}.gateway.>"
+# Fixed latency buckets (upper bounds, seconds; the last count is everything above): the same on every gateway,
+# so counts add up across gateways and p99 comes from summed deltas.
+STATS_BUCKETS: tuple[float, ...] = (0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1,
+                                    0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+
+
+def stats_subject(gateway_id: str) -> str:
+    return f"{STATS_PREFIX}.gateway.{gateway_id}"
+
+
+@dataclass(frozen=True, slots=True)
+class VersionCounts:
+    """Requests of one (name, version) as counted by one gateway (or summed): errors are 5xx answers (worker
+    failures included); `buckets` has len(STATS_BUCKETS) + 1 latency counts, the last one above every bound."""
+
+    requests: int = 0
+    errors: int = 0
+    buckets: tuple[int, ...] = (0,) * (len(STATS_BUCKETS) + 1)
+
+    def __add__(self, other: VersionCounts) -> VersionCounts:
+        return VersionCounts(self.requests + other.requests, self.errors + other.errors,
+                             tuple(a + b for a, b in zip(self.buckets, other.buckets, strict=True)))
+
+    def __sub__(self, other: VersionCounts) -> VersionCounts:
+        return VersionCounts(self.requests - other.requests, self.errors - other.errors,
+                             tuple(a - b for a, b in zip(self.buckets, other.buckets, strict=True)))
+
+    def lower_than(self, other: VersionCounts) -> bool:
+        """A counter went down: the gateway restarted (its counters start again at 0)."""
+        return self.requests < other.requests or self.errors < other.errors or any(
+            a < b for a, b in zip(self.buckets, other.buckets, strict=True))
+
+    @property
+    def error_rate(self) -> float:
+        return self.errors / self.requests if self.requests else 0.0
+
+    def quantile(self, q: float) -> float:
+        """The upper bound of the bucket holding the q-quantile (inf when it lies above the last bound; 0.0
+        without requests): conservative, like Prometheus' histogram_quantile without interpolation."""
+        total = sum(self.buckets)
+        if total <= 0:
+            return 0.0
+        rank, seen = q * total, 0
+        for i, n in enumerate(self.buckets):
+            seen += n
+            if seen >= rank and n > 0:
+                return STATS_BUCKETS[i] if i < len(STATS_BUCKETS) else float("inf")
+        return float("inf")
+
+
+def bucket_index(seconds: float) -> int:
+    for i, bound in enumerate(STATS_BUCKETS):
+        if seconds <= bound:
+            return i
+    return len(STATS_BUCKETS)
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayStats:
+    """One gateway's cumulative per-version counters, keyed (name, version)."""
+
+    gateway: str
+    versions: dict[tuple[str, str], VersionCounts]
+    ts: float = field(default_factory=time.time)
+
+    def to_wire(self) -> bytes:
+        return pack({"v": 1, "gateway": self.gateway, "ts": self.ts,
+                     "versions": [[m, v, c.requests, c.errors, list(c.buckets)]
+                                  for (m, v), c in sorted(self.versions.items())]})
+
+    @classmethod
+    def from_wire(cls, data: bytes) -> GatewayStats:
+        try:
+            d = unpack(data)
+            versions = {(str(m), str(v)): VersionCounts(int(r), int(e), tuple(int(b) for b in bs))
+                        for m, v, r, e, bs in d["versions"]}
+            if any(len(c.buckets) != len(STATS_BUCKETS) + 1 for c in versions.values()):
+                raise ValueError("latency buckets differ from STATS_BUCKETS")
+            return cls(str(d["gateway"]), versions, float(d.get("ts", 0.0)))
+        except Exception as exc:
+            raise WireError(f"gateway stats malformed: {exc}") from exc
+
+
+async def subscribe_stats(nc: Any, on_stats: Callable[[GatewayStats], None]) -> Any:
+    """Call `on_stats` for every valid gateway stats message; returns the subscription."""
+
+    async def handler(msg: Any) -> None:
+        try:
+            stats = GatewayStats.from_wire(msg.data)
+        except WireError:
+            log.debug("ignoring malformed gateway stats on %s", msg.subject)
+            return
+        on_stats(stats)
+
+    return await nc.subscribe(STATS_SUBJECT, cb=handler)

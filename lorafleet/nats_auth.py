@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+from lorafleet.heartbeats import STATS_PREFIX
 from lorafleet.nats_conf import conf_quote as _q  # the one quoting rule (nats_server.py too)
 from lorafleet.wire import (
     DLQ_PREFIX,
@@ -116,6 +117,7 @@ PERMISSIONS: dict[Role, Permissions] = {
             *_KV_READ,
             *_CONFIG_READ,
             f"{PRESENCE_PREFIX}.gateway.>",  # `lorafleet status` from any host
+            f"{STATS_PREFIX}.gateway.>",  # per-version figures for `promote --watch` (issue 25)
         ),
         subscribe=(_OWN_INBOX, f"{INBOX_PREFIX}.{{me}}.>", f"{HEARTBEAT_PREFIX}.>"),
         allow_responses=True,
@@ -148,8 +150,9 @@ PERMISSIONS: dict[Role, Permissions] = {
             "$KV.{bucket}.>",  # put / delete / purge a key (not the bucket)
             *_QUEUE_INFO,
             *_KV_READ,
+            f"{PRESENCE_PREFIX}.control.>",  # a `promote --watch` says it is alive (`lorafleet status`)
         ),
-        subscribe=(_OWN_INBOX, f"{HEARTBEAT_PREFIX}.>", f"{PRESENCE_PREFIX}.>"),
+        subscribe=(_OWN_INBOX, f"{HEARTBEAT_PREFIX}.>", f"{PRESENCE_PREFIX}.>", f"{STATS_PREFIX}.gateway.>"),
         publish_deny=(_LEGACY_FLEET_FILE,),
     ),
 }

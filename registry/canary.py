@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import dataclasses
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -181,26 +182,35 @@ def start(name: str, version: str | int | None, percent: float, *, force: bool =
 
 def finish(name: str, *, force: bool = False, margin: float | None = None, nats_url: str | None = None,
            fleet_file: Path | None = None, creds: Path | None = None, preload: Preload | None = None,
-           retention: Retention | None = None, retention_changes: dict[str, float | int | None] | None = None
-           ) -> Outcome:
+           retention: Retention | None = None, retention_changes: dict[str, float | int | None] | None = None,
+           expect: str | None = None) -> Outcome:
     """The canary becomes champion through promote's path (gate against the champion as it is then, preload,
     compare-and-set, the old champion retained as NAME@N); the entry it writes has no canary."""
     margin = default_margin() if margin is None else margin
     target = _with_retention(find_fleet(nats_url, fleet_file, creds), retention, retention_changes)
 
     def decide(state: Agreement) -> tuple[VersionInfo, tuple[str, ...], GateResult | None]:
-        after = CanaryState.of(name, state.entry).finish()
+        before = CanaryState.of(name, state.entry)
+        _expect(before, expect)
+        after = before.finish()
         assert after.champion is not None
         info = store.get_version(name, after.champion)
         return info, _history(state, info.version), _gate_or_refuse(info, state.champion, margin, force)
 
     done = asyncio.run(_switch(target, name, "promote", decide, preload or Preload()))
     return Outcome(name, done.entry.version, done.previous, "promote", done.entry, done.gate, target.nats_url,
-                   done.preload, done.repaired)
+                   done.preload, done.repaired, done.precision)
 
 
-def abort(name: str, *, nats_url: str | None = None, fleet_file: Path | None = None, creds: Path | None = None
-          ) -> CanaryOutcome:
+def _expect(state: CanaryState, version: str | None) -> None:
+    """`--watch` ends the canary it watched, never one started after it ended."""
+    if version is not None and state.canary is not None and state.canary != version:
+        raise CanaryError(f"{state.name}: the canary in progress is v{state.canary}, not the watched v{version}; "
+                          "nothing changed")
+
+
+def abort(name: str, *, nats_url: str | None = None, fleet_file: Path | None = None, creds: Path | None = None,
+          expect: str | None = None) -> CanaryOutcome:
     """Remove the canary: every request of the plain name goes to the champion again; the canary's version is no
     longer served (NAME@N for it answers 410 unless it is a retained former champion)."""
     target = find_fleet(nats_url, fleet_file, creds)
@@ -212,6 +222,7 @@ def abort(name: str, *, nats_url: str | None = None, fleet_file: Path | None = N
             try:
                 async with promote_lock(kv, name, "canary abort") as lock:
                     entry, revision = await read_entry(kv, name)
+                    _expect(CanaryState.of(name, entry), expect)
                     CanaryState.of(name, entry).abort()
                     assert entry is not None and entry.canary is not None
                     gone = entry.canary.version
@@ -239,6 +250,18 @@ def describe(entry: FleetEntry) -> dict[str, Any]:
             "watch_until": c.watch_until}
 
 
+def watch_line(c: dict[str, Any], cluster: dict[str, dict[str, Any]], now: float | None = None) -> str:
+    """How `lorafleet status` says who watches a canary (`describe`'s dict; `cluster`: presence keyed role/name):
+    watched only while its window runs and the watcher named in the spec is heard (presence
+    `control/watch-<name>` from that host/pid); else nobody, whatever the spec still says (a watcher that died)."""
+    now = time.time() if now is None else now
+    until, watcher = c.get("watch_until"), c.get("watcher")
+    p = cluster.get(f"control/watch-{c['name']}")
+    if watcher and until is not None and until > now and p is not None and f"{p['host']}/{p['pid']}" == watcher:
+        return f"watched by {watcher} until {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(until))}"
+    return "nobody watches (it stays at its percentage until --finish/--abort or --watch)"
+
+
 async def read_canaries(nats_url: str, client: ClientSettings | None = None) -> list[dict[str, Any]]:
     """Every canary in the fleet state (for `lorafleet status`)."""
     nc = await _connect(nats_url, client)
@@ -251,4 +274,4 @@ async def read_canaries(nats_url: str, client: ClientSettings | None = None) -> 
 
 
 __all__ = ["CanaryError", "CanaryOutcome", "CanaryState", "abort", "canary_in_progress", "check_percent", "finish",
-           "read_canaries", "start"]
+           "read_canaries", "start", "watch_line"]

@@ -161,7 +161,8 @@ class Gateway:
         await self._ensure_streams()  # before the fleet watch: a brand-new server has neither yet
         await self._watch_fleet_state(js)
         self.monitor.start(js)
-        self._beacon = heartbeats.Beacon(nc, "gateway", self.gateway_id, self._presence_state)
+        self._beacon = heartbeats.Beacon(nc, "gateway", self.gateway_id, self._presence_state,
+                                         stats=lambda: self.metrics.version_stats(self.gateway_id))
         self._beacon.start()
 
     async def _presence_state(self) -> str:

@@ -7,6 +7,7 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from lorafleet.heartbeats import STATS_BUCKETS, GatewayStats, VersionCounts, bucket_index
 from lorafleet.wire import consumer_name
 
 # Names, for dashboards and the report.
@@ -81,6 +82,9 @@ class GatewayMetrics:
         self._result_children: dict[str, tuple[Any, Any]] = {}
         self._published_children: dict[str, Any] = {}
         self._version_children: dict[tuple[str, str, int], tuple[Any, Any, Any]] = {}
+        # The same per-version figures as plain counters, published over NATS for `promote --watch`, which sums
+        # them over all gateways: [requests, errors, latency bucket counts...] per (model, version).
+        self._version_counts: dict[tuple[str, str], list[int]] = {}
 
     def request_done(self, route: str, model: str, code: int, seconds: float, version: str | None = None,
                      tokens: int = 0) -> None:
@@ -103,8 +107,22 @@ class GatewayMetrics:
             self._version_children[key] = children
         children[0].inc()
         children[1].observe(seconds)
+        counts = self._version_counts.get((model, version))
+        if counts is None:
+            counts = self._version_counts[(model, version)] = [0] * (len(STATS_BUCKETS) + 3)
+        counts[0] += 1
+        if code >= 500:
+            counts[1] += 1
+        counts[2 + bucket_index(seconds)] += 1
         if tokens:
             children[2].inc(tokens)
+
+    def version_stats(self, gateway_id: str) -> GatewayStats | None:
+        """This gateway's cumulative per-version counters (None before any versioned request)."""
+        if not self._version_counts:
+            return None
+        return GatewayStats(gateway_id, {k: VersionCounts(c[0], c[1], tuple(c[2:]))
+                                         for k, c in list(self._version_counts.items())})
 
     def result_received(self, base: str, queue_ms: float, batch_size: int) -> None:
         children = self._result_children.get(base)

@@ -7,12 +7,13 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 if TYPE_CHECKING:
     from lorafleet.fleet_state import FleetEntry
+    from lorafleet.registry.precision_notice import PrecisionNotice
     from lorafleet.registry.promote import Agreement, Preload
 
 registry_app = typer.Typer(help="Bundles registered in MLflow: versions, aliases, headline metrics.",
@@ -162,6 +163,17 @@ def promote(
                                 "(gate, preload and retention as for a promote)."),
     abort: bool = typer.Option(False, "--abort", help="End the canary in progress: all traffic back on the "
                                "champion, which stays as it is."),
+    watch: str = typer.Option(None, "--watch", help="With --canary (or alone, for the canary in progress): compare "
+                              "candidate and champion over all gateways for this long (e.g. 10m, 1h); abort at once "
+                              "if the candidate is worse by the margins, finish when the window passes. If this "
+                              "command dies, the canary stays as it is."),
+    max_error_increase: float = typer.Option(1.0, "--max-error-increase", help="--watch: abort when the "
+                                             "candidate's error rate (5xx) exceeds the champion's by more than this "
+                                             "many percentage points."),
+    max_p99_ratio: float = typer.Option(1.5, "--max-p99-ratio", help="--watch: abort when the candidate's p99 "
+                                        "latency exceeds the champion's times this."),
+    min_requests: int = typer.Option(20, "--min-requests", help="--watch: requests each side needs before the "
+                                     "comparison counts."),
 ) -> None:
     """Quality gate → preload on the base's workers → alias 'champion' → live fleet state: gateways and workers
     switch without a restart, and the first requests to the new version do not wait for a download. With
@@ -175,11 +187,29 @@ def promote(
         _fail(f"{' and '.join(chosen)} do not go together: start a canary, or end the one in progress")
     if (finish or abort) and version is not None:
         _fail(f"{chosen[0]} ends the canary in progress, whose version is already chosen: leave out --version")
+    if watch is not None and (finish or abort):
+        _fail(f"--watch and {chosen[0]} do not go together: --watch ends the canary itself")
     preload = _preload(no_preload, preload_timeout)
     changes = _retention_changes(retain, retain_versions)
+    if watch is not None:
+        from lorafleet.registry.watch import Margins
+
+        try:
+            window = parse_duration(watch)
+            margins = Margins(max_error_increase / 100.0, max_p99_ratio, min_requests)
+        except (ValueError, *_errors()) as exc:
+            _fail(f"--watch: {exc}" if isinstance(exc, ValueError) else str(exc))
+            return
+        if not window:
+            _fail(f"--watch {watch}: the window must be a finite duration above 0 (e.g. 10m)")
     if canary is not None or abort:
         _canary(name, version, canary, force=force, margin=margin, nats_url=nats_url, fleet=fleet, creds=creds,
                 preload=preload)
+        if watch is None:
+            return
+    if watch is not None:
+        _watch(name, window, margins, force=force, margin=margin, nats_url=nats_url, fleet=fleet, creds=creds,
+               preload=preload, changes=changes)
         return
     try:
         if finish:
@@ -206,6 +236,7 @@ def promote(
                f"(adapter {out.entry.adapter_id}, base {out.entry.base})")
     for line in client_notes(out.entry, out.previous):
         typer.echo(line)
+    _said_precision(out.precision)
 
 
 def _canary(name: str, version: str | None, percent: float | None, *, force: bool, margin: float | None,
@@ -231,6 +262,28 @@ def _canary(name: str, version: str | None, percent: float | None, *, force: boo
     typer.echo(f"{name}: canary v{out.canary} takes {out.percent:g} % of the traffic, champion v{out.champion} the "
                f"rest (sticky per client; published to {out.nats_url}). Both answer as {name}@N; end it with "
                f"`lorafleet promote {name} --finish` or `--abort`")
+
+
+def _watch(name: str, window: float, margins: Any, *, force: bool, margin: float | None, nats_url: str | None,
+           fleet: Path | None, creds: Path | None, preload: Preload, changes: dict[str, float | int | None]) -> None:
+    """`promote --watch`: exit 0 when the canary finished, 1 when it was aborted or left as it is."""
+    from lorafleet.registry.watch import watch
+
+    try:
+        out = watch(name, window, margins, nats_url=nats_url, fleet_file=fleet, creds=creds, force=force,
+                    margin=margin, preload=preload, retention_changes=changes, say=typer.echo)
+    except _errors() as exc:
+        _fail(str(exc))
+        return
+    if out.result == "finished" and out.finished is not None:
+        typer.echo(f"{name}: watch passed ({out.reason}); champion → v{out.finished.version} (was "
+                   f"v{out.finished.previous})")
+        return
+    if out.result == "aborted":
+        typer.secho(f"{name}: canary ABORTED, all traffic back on the champion: {out.reason}", fg=typer.colors.RED)
+    else:
+        typer.secho(f"{name}: {out.reason}", fg=typer.colors.YELLOW)
+    raise typer.Exit(1)
 
 
 def rollback(
@@ -260,6 +313,13 @@ def rollback(
                f"{out.nats_url}")
     for line in client_notes(out.entry, out.previous):
         typer.echo(line)
+    _said_precision(out.precision)
+
+
+def _said_precision(notice: PrecisionNotice | None) -> None:
+    """The bundle's tuned precision against what its base's workers serve (issue 27): a notice, never an error."""
+    for line in notice.lines if notice is not None else ():
+        typer.secho(line, fg=None if notice is not None and notice.as_tuned else typer.colors.YELLOW)
 
 
 def _said_repaired(found: Agreement | None) -> None:

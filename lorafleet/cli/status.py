@@ -66,6 +66,11 @@ def status(
                 "cluster": {}, "workers": {}, "queue": {"error": str(exc)}}
     if info.get("source") == "nats":
         info["canaries"] = _canaries(info["nats_url"], state, client)
+        if isinstance(info["canaries"], list) and info["canaries"]:
+            from lorafleet.registry.canary import watch_line
+
+            for c in info["canaries"]:  # who watches: the spec's watcher, only while it is heard and its window runs
+                c["watch"] = watch_line(c, info.get("cluster") or {})
     if state is not None:
         info["processes"] = processes(home, state)
         info["gateway_url"] = state.gateway_url
@@ -135,7 +140,7 @@ def _print(info: dict[str, Any], state: Any) -> None:
     if isinstance(canaries, dict):
         typer.echo(f"  unavailable: {canaries['error']}")
     for c in canaries if isinstance(canaries, list) else ():
-        watch = f"watched by {c['watcher']}" if c.get("watcher") else "nobody watches (it stays until --finish/--abort)"
+        watch = c.get("watch", "nobody watches")
         typer.echo(f"  {c['name']:<20} champion v{c['champion']} {c['champion_percent']:g} %  canary v{c['canary']} "
                    f"{c['percent']:g} %  {watch}")
     typer.echo("queue (per consumer):")

@@ -1,0 +1,260 @@
+"""Automatic rollback of a canary (issue 25): `lorafleet promote NAME --canary P --watch DURATION`.
+
+Every gateway publishes, with its presence, cumulative per-version counters (requests, 5xx errors, a latency
+histogram on fixed buckets: lorafleet.heartbeats.GatewayStats). The watcher sums each gateway's deltas since the
+watch began, so it judges the whole fleet's traffic, and compares the candidate with the champion by a pure
+function (`judge`): an error rate higher by more than `max_error_increase` (absolute), or a p99 above the
+champion's × `max_p99_ratio`, once the candidate has `min_requests`, aborts the canary at once with the reason;
+a window that ends without a failure finishes it (the candidate becomes champion through promote's path). Too
+little traffic on either side to judge leaves the canary as it is and says so.
+
+The watcher writes `watcher` (host/pid) and `watch_until` into the canary's spec by compare-and-set under the
+promote lock, and says it is alive as presence `control/watch-<name>`: when the watching command dies, the
+canary stays at its percentage (safe) and `lorafleet status` says that nobody watches it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from lorafleet import heartbeats
+from lorafleet.fleet_state import FleetEntry, Retention, open_fleet_bucket, read_entry, write_entry
+from lorafleet.heartbeats import GatewayStats, VersionCounts
+from lorafleet.registry import canary, store
+from lorafleet.registry.lock import LockBusy, promote_lock
+from lorafleet.registry.promote import Outcome, Preload, _connect, find_fleet
+
+log = logging.getLogger(__name__)
+
+SAMPLE_EVERY_S = 2.0  # gateways publish every PRESENCE_EVERY_S; a few samples per decision is plenty
+ABORT_TAG = "lorafleet.canary_aborted"  # on the candidate's model version (and its run): why the watch aborted it
+
+
+@dataclass(frozen=True)
+class Margins:
+    """How much worse the candidate may be than the champion before the watch aborts it."""
+
+    max_error_increase: float = 0.01  # absolute: 0.01 = one percentage point above the champion's error rate
+    max_p99_ratio: float = 1.5  # candidate p99 may be up to 1.5 × the champion's
+    min_requests: int = 20  # per side, before a comparison counts
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.max_error_increase < 1:
+            raise canary.CanaryError(f"--max-error-increase {self.max_error_increase}: must be at least 0 and "
+                                     "below 1 (a fraction: 0.01 is one percentage point)")
+        if self.max_p99_ratio < 1:
+            raise canary.CanaryError(f"--max-p99-ratio {self.max_p99_ratio}: must be 1 or more")
+        if self.min_requests < 1:
+            raise canary.CanaryError(f"--min-requests {self.min_requests}: must be 1 or more")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """`fail`: abort now; `pass`: nothing wrong so far (enough data on both sides); `wait`: too little data."""
+
+    decision: Literal["fail", "pass", "wait"]
+    reason: str
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.2f} %"
+
+
+def _secs(x: float) -> str:
+    return "above 60 s" if x == float("inf") else f"{x * 1000:g} ms"
+
+
+def judge(champion: VersionCounts, candidate: VersionCounts, margins: Margins) -> Verdict:
+    """Compare the two sides' figures over the same window (summed over all gateways)."""
+    if candidate.requests < margins.min_requests:
+        return Verdict("wait", f"the candidate answered {candidate.requests} requests (fewer than "
+                               f"{margins.min_requests} to judge)")
+    # An error rate far above the margin is a failure even before the champion has its own minimum: a candidate
+    # that fails every request must not wait for the champion's traffic.
+    champion_rate = champion.error_rate if champion.requests else 0.0
+    if candidate.error_rate > champion_rate + margins.max_error_increase:
+        return Verdict("fail", f"error rate {_pct(candidate.error_rate)} ({candidate.errors} of "
+                               f"{candidate.requests}) against the champion's {_pct(champion_rate)} ({champion.errors} "
+                               f"of {champion.requests}); allowed: {_pct(margins.max_error_increase)} more")
+    if champion.requests < margins.min_requests:
+        return Verdict("wait", f"the champion answered {champion.requests} requests (fewer than "
+                               f"{margins.min_requests} to compare latency)")
+    p99c, p99k = candidate.quantile(0.99), champion.quantile(0.99)
+    if p99c > p99k * margins.max_p99_ratio:
+        return Verdict("fail", f"p99 {_secs(p99c)} against the champion's {_secs(p99k)}; allowed: "
+                               f"{margins.max_p99_ratio:g} ×")
+    return Verdict("pass", f"error rate {_pct(candidate.error_rate)} vs {_pct(champion.error_rate)}, p99 "
+                           f"{_secs(p99c)} vs {_secs(p99k)} over {candidate.requests} + {champion.requests} requests")
+
+
+@dataclass
+class Tally:
+    """Per-version deltas since the watch began, summed over gateways. A gateway's first message is its baseline
+    (what it counted before the watch is not the watch's); a counter that goes down means the gateway restarted,
+    so what it had counted since the baseline is kept and its new counters count from 0."""
+
+    baseline: dict[str, dict[tuple[str, str], VersionCounts]] = field(default_factory=dict)
+    latest: dict[str, dict[tuple[str, str], VersionCounts]] = field(default_factory=dict)
+    banked: dict[tuple[str, str], VersionCounts] = field(default_factory=dict)
+
+    def add(self, stats: GatewayStats) -> None:
+        gw = stats.gateway
+        if gw not in self.baseline:
+            self.baseline[gw], self.latest[gw] = dict(stats.versions), dict(stats.versions)
+            return
+        before, last = self.baseline[gw], self.latest[gw]
+        if any(c.lower_than(last.get(k, VersionCounts())) for k, c in stats.versions.items()) or \
+                any(k not in stats.versions for k in last):
+            for k, c in last.items():  # restarted: bank what it counted, count again from zero
+                self.banked[k] = self.banked.get(k, VersionCounts()) + (c - before.get(k, VersionCounts()))
+            self.baseline[gw] = {}
+        self.latest[gw] = dict(stats.versions)
+
+    def total(self, name: str, version: str) -> VersionCounts:
+        key = (name, version)
+        out = self.banked.get(key, VersionCounts())
+        for gw, last in self.latest.items():
+            if key in last:
+                out = out + (last[key] - self.baseline[gw].get(key, VersionCounts()))
+        return out
+
+
+@dataclass(frozen=True)
+class WatchOutcome:
+    name: str
+    result: Literal["aborted", "finished", "undecided", "ended"]  # ended: someone else ended the canary
+    reason: str
+    champion: VersionCounts
+    candidate: VersionCounts
+    finished: Outcome | None = None
+
+
+def watcher_id() -> str:
+    return f"{socket.gethostname()}/{os.getpid()}"
+
+
+def presence_name(name: str) -> str:
+    return f"watch-{name}"
+
+
+def _tag_abort(name: str, version: str, reason: str) -> None:
+    """The reason, on the candidate's model version and its MLflow run (best effort: the abort is what counts)."""
+    try:
+        c = store.client()
+        c.set_model_version_tag(name, version, ABORT_TAG, reason[:5000])
+        mv = c.get_model_version(name, version)
+        if mv.run_id:
+            c.set_tag(mv.run_id, ABORT_TAG, reason[:5000])
+    except Exception as exc:
+        log.warning("could not tag %s v%s with the abort reason: %s", name, version, exc)
+
+
+async def _mark(kv: Any, name: str, version: str, watcher: str | None, until: float | None) -> FleetEntry:
+    """Write (or clear) the watcher of the canary of `version`, by compare-and-set under the promote lock."""
+    try:
+        async with promote_lock(kv, name, "canary watch") as lock:
+            entry, revision = await read_entry(kv, name)
+            if entry is None or entry.canary is None or entry.canary.version != version:
+                raise canary.CanaryError(f"{name} has no canary of v{version} in progress (any more); nothing "
+                                         "to watch")
+            spec = entry.canary.model_copy(update={"watcher": watcher, "watch_until": until})
+            new = entry.model_copy(update={"canary": spec})
+            lock.ensure()
+            await write_entry(kv, new, last=revision)
+            return new
+    except LockBusy as exc:
+        raise canary.CanaryError(str(exc)) from exc
+
+
+def watch(name: str, duration_s: float, margins: Margins | None = None, *, nats_url: str | None = None,
+          fleet_file: Path | None = None, creds: Path | None = None, every_s: float = SAMPLE_EVERY_S,
+          force: bool = False, margin: float | None = None, preload: Preload | None = None,
+          retention: Retention | None = None, retention_changes: dict[str, float | int | None] | None = None,
+          say: Callable[[str], None] = print) -> WatchOutcome:
+    """Watch the canary of `name` in progress for `duration_s`: abort it as soon as the candidate is worse by the
+    margins, finish it when the window passes (finish's gate and preload as `promote --finish`)."""
+    if duration_s <= 0:
+        raise canary.CanaryError(f"--watch: the window must be longer than 0 s (got {duration_s:g})")
+    margins = margins or Margins()
+    target = find_fleet(nats_url, fleet_file, creds)
+
+    async def run() -> WatchOutcome:
+        nc = await _connect(target.nats_url, target.client)
+        tally = Tally()
+        sub = beacon = None
+        version = ""
+        marked = False
+        try:
+            kv = await open_fleet_bucket(nc.jetstream())  # type: ignore[attr-defined]
+            entry, _ = await read_entry(kv, name)
+            state = canary.CanaryState.of(name, entry)
+            if state.canary is None or state.champion is None:
+                raise canary.CanaryError(f"{name} has no canary in progress to watch (start one with "
+                                         f"`lorafleet promote {name} --canary P --watch DURATION`)")
+            version, champion = state.canary, state.champion
+            sub = await heartbeats.subscribe_stats(nc, tally.add)  # before the mark: the baseline is heard first
+            beacon = heartbeats.Beacon(nc, "control", presence_name(name), lambda: "watching")
+            beacon.start()
+            until = time.time() + duration_s
+            await _mark(kv, name, version, watcher_id(), until)
+            marked = True
+            say(f"{name}: watching canary v{version} against champion v{champion} until "
+                f"{time.strftime('%H:%M:%S', time.localtime(until))} (abort if its error rate is "
+                f"{_pct(margins.max_error_increase)} higher or its p99 above {margins.max_p99_ratio:g} × the "
+                f"champion's)")
+            verdict = Verdict("wait", "no figures from any gateway yet")
+            while True:
+                now = time.time()
+                await asyncio.sleep(max(0.0, min(every_s, until - now)))
+                current, _ = await read_entry(kv, name)
+                if current is None or current.canary is None or current.canary.version != version:
+                    marked = False
+                    return WatchOutcome(name, "ended", "the canary was ended while it was watched",
+                                        tally.total(name, champion), tally.total(name, version))
+                cand, champ = tally.total(name, version), tally.total(name, champion)
+                verdict = judge(champ, cand, margins)
+                log.info("watch %s v%s: %s (%s)", name, version, verdict.decision, verdict.reason)
+                if verdict.decision == "fail":
+                    reason = f"v{version} is worse than champion v{champion}: {verdict.reason}"
+                    await asyncio.to_thread(canary.abort, name, nats_url=target.nats_url, fleet_file=fleet_file,
+                                            creds=creds, expect=version)
+                    marked = False
+                    await asyncio.to_thread(_tag_abort, name, version, reason)
+                    return WatchOutcome(name, "aborted", reason, champ, cand)
+                if time.time() >= until:
+                    break
+            if verdict.decision != "pass":
+                return WatchOutcome(name, "undecided", f"too little traffic to judge: {verdict.reason}; the "
+                                    f"canary stays at {state.percent:g} %", champ, cand)
+            done = await asyncio.to_thread(
+                canary.finish, name, force=force, margin=margin, nats_url=target.nats_url, fleet_file=fleet_file,
+                creds=creds, preload=preload, retention=retention, retention_changes=retention_changes,
+                expect=version)
+            marked = False
+            return WatchOutcome(name, "finished", verdict.reason, champ, cand, done)
+        finally:
+            if marked:  # undecided or interrupted: the canary stays, and says that nobody watches it any more
+                with contextlib.suppress(Exception):
+                    await _mark(kv, name, version, None, None)
+            if beacon is not None:
+                await beacon.stop()
+            if sub is not None:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+            with contextlib.suppress(Exception):
+                await nc.close()  # type: ignore[attr-defined]
+
+    return asyncio.run(run())
+
+
+__all__ = ["ABORT_TAG", "Margins", "Tally", "Verdict", "WatchOutcome", "judge", "presence_name", "watch",
+           "watcher_id"]
