@@ -168,7 +168,7 @@ def test_promotion_and_rollback_are_live(client: Any, cluster: LocalCluster, tin
         deadline = time.monotonic() + 15
         while True:  # the gateway swaps its routes when the fleet-state entry arrives
             r = client.chat.completions.create(model="headings", messages=chat(QUESTIONS[0]))  # bundle defaults
-            if r.model == "headings" and r.usage.completion_tokens == 16:
+            if r.model == "headings@1" and r.usage.completion_tokens == 16:  # responses name the version
                 return r.choices[0].message.content
             assert time.monotonic() < deadline
 
@@ -206,6 +206,10 @@ def _engine_logs(cluster: LocalCluster) -> str:
     return "".join(p.read_text(errors="replace") for p in (cluster.home / "logs").glob("vllm-*.log"))
 
 
+# Race tolerated: on the shared 2-core box vLLM's API server process, short of CPU, can take longer than the wait
+# to end the aborted stream, and the worker settles the task only once its stream ends. Seen once in a full CI run
+# (no settle line within 20 s), never alone; the wait is now 60 s and one rerun starts from a fresh stream.
+@pytest.mark.flaky(reruns=1)
 def test_client_going_away_aborts_the_sequence_in_the_engine(cluster: LocalCluster) -> None:
     logs = [cluster.log_path(f"worker-{i}") for i in (1, 2)]
     since = [len(p.read_text(errors="replace")) for p in logs]
@@ -220,7 +224,7 @@ def test_client_going_away_aborts_the_sequence_in_the_engine(cluster: LocalClust
         new = "".join(p.read_text(errors="replace")[n:] for p, n in zip(logs, since, strict=True))
         return re.search(r"task (\S+): cancelled → ack", new)
 
-    cancelled = wait_until(settled, 20, "the worker settling the cancelled task")
+    cancelled = wait_until(settled, 60, "the worker settling the cancelled task")
     task_id = cancelled.group(1)
     wait_until(lambda: [ln for ln in _engine_logs(cluster).splitlines() if task_id in ln and "aborted" in ln.lower()],
                20, f"the engine aborting {task_id}")
