@@ -26,6 +26,18 @@ from .study import ATTR_ADAPTER_ARTIFACT, decode_params, retry_trial, suggest, w
 from .tracking import ADAPTER_ARTIFACT, Tracker
 
 
+def _time_limit_in(exc: BaseException) -> TrialTimeout | None:
+    """The TrialTimeout that `exc` is or wraps (its cause or context chain), if any."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, TrialTimeout):
+            return cur
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return None
+
+
 class TrialTimeout(Exception):
     """A trial ran past its time limit (per-trial limit or what was left of the budget)."""
 
@@ -142,7 +154,10 @@ class TrialObjective:
             self.progress.trial_finished(trial.number, "pruned", None, self._best(trial), str(exc))
             raise
         except BaseException as exc:  # KeyboardInterrupt too: the run must not stay RUNNING in MLflow
-            reason = f"{type(exc).__name__}: {exc}"
+            # The time-limit alarm fires wherever the trial is; a library that wraps what it catches (MLflow
+            # committing a metric) must not hide that the limit ended the trial.
+            cause = _time_limit_in(exc) or exc
+            reason = f"{type(cause).__name__}: {cause}"
             if isinstance(exc, KeyboardInterrupt):
                 reason = "interrupted (Ctrl-C); configuration queued again for `research resume`"
                 with contextlib.suppress(Exception):

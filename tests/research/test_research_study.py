@@ -141,3 +141,17 @@ def test_trial_past_its_time_limit_fails_with_reason(research_yaml: Callable[...
     assert "TrialTimeout" in nested.data.tags["lorafleet.reason"]
     assert result.candidate is False and result.winner_trial is None
     assert "no trial completed" in result.verdict
+
+
+def test_a_time_limit_wrapped_by_a_library_is_still_named() -> None:
+    # The alarm can fire inside MLflow's metric commit, which wraps it: the reason must still say TrialTimeout.
+    from lorafleet.research.objective import TrialTimeout, _time_limit_in
+
+    try:
+        try:
+            raise TrialTimeout("time limit of 0s reached")
+        except TrialTimeout as inner:
+            raise RuntimeError("MlflowException: time limit of 0s reached") from inner
+    except RuntimeError as wrapped:
+        assert isinstance(_time_limit_in(wrapped), TrialTimeout)
+    assert _time_limit_in(ValueError("other")) is None
