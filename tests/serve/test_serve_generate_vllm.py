@@ -234,6 +234,9 @@ def _worker_logs(cluster: LocalCluster) -> str:
     return "".join(cluster.log_path(f"worker-{i}").read_text(errors="replace") for i in (1, 2))
 
 
+# Race tolerated: the engine can finish the whole answer (streamed from its buffer) before SIGKILL lands, so
+# nothing is delivered again; the answer was whole and correct (checked first), only the redelivery is unseen.
+@pytest.mark.flaky(reruns=1)
 def test_kill_9_mid_stream_gives_the_whole_answer_or_an_explicit_error(
         client: Any, cluster: LocalCluster, reference: dict[str, str]) -> None:
     """A worker killed with SIGKILL while streaming: its task is delivered again (after ack_wait) to the other
