@@ -8,6 +8,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any, NoReturn
 
 import typer
 
@@ -15,7 +16,7 @@ from lorafleet.cli.status import status
 from lorafleet.settings import DEFAULT_FLEET
 
 
-def _fail(message: str, code: int = 1) -> None:
+def _fail(message: str, code: int = 1) -> NoReturn:
     typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
     raise typer.Exit(code)
 
@@ -144,16 +145,10 @@ def down(timeout: float = typer.Option(30.0, help="Seconds workers get to finish
     typer.echo(f"stopped: {', '.join(stopped) if stopped else 'nothing was running'}")
 
 
-def embed(
-    texts: list[str] = typer.Argument(..., help="Texts to embed."),
-    model: str = typer.Option(..., "--model", "-m", help="Served name: a base model or a promoted bundle, or "
-                              "NAME@N for exactly version N of it (what production indexes pin)."),
-    url: str = typer.Option(None, "--url", help="Gateway URL (default: the local cluster's, else :8080)."),
-    as_json: bool = typer.Option(False, "--json", help="Print the full OpenAI-style JSON response."),
-    api_key: str = typer.Option(None, "--api-key", envvar="LORAFLEET_API_KEY", help="Bearer key, if set."),
-    timeout: float = typer.Option(60.0, help="Seconds to wait for the answer."),
-) -> None:
-    """Embed TEXTs through the gateway and print the vectors."""
+def _call_gateway(url: str | None, path: str, body: dict[str, object], api_key: str | None,
+                  timeout: float) -> dict[str, Any]:
+    """POST `body` to the gateway (the local cluster's unless `url` is given) and return the JSON answer;
+    an unreachable gateway or an error answer ends the command with the gateway's code and message."""
     import httpx
 
     from lorafleet import settings
@@ -166,19 +161,31 @@ def embed(
             url = os.environ.get("LORAFLEET_URL", "http://127.0.0.1:8080")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        r = httpx.post(f"{url.rstrip('/')}/v1/embeddings", json={"model": model, "input": texts},
-                       headers=headers, timeout=timeout)
+        r = httpx.post(f"{url.rstrip('/')}{path}", json=body, headers=headers, timeout=timeout)
     except httpx.HTTPError as exc:
         _fail(f"cannot reach the gateway at {url}: {exc} (is the cluster up? `lorafleet up`)")
-        return
     if r.status_code != 200:
         try:
             err = r.json()["error"]
-            _fail(f"{r.status_code} {err.get('code')}: {err.get('message')}")
-        except (ValueError, KeyError):
-            _fail(f"{r.status_code}: {r.text[:500]}")
-        return
-    body = r.json()
+            message = f"{r.status_code} {err.get('code')}: {err.get('message')}"
+        except (ValueError, KeyError, TypeError):
+            message = f"{r.status_code}: {r.text[:500]}"
+        _fail(message)
+    answer: dict[str, Any] = r.json()
+    return answer
+
+
+def embed(
+    texts: list[str] = typer.Argument(..., help="Texts to embed."),
+    model: str = typer.Option(..., "--model", "-m", help="Served name: a base model or a promoted bundle, or "
+                              "NAME@N for exactly version N of it (what production indexes pin)."),
+    url: str = typer.Option(None, "--url", help="Gateway URL (default: the local cluster's, else :8080)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the full OpenAI-style JSON response."),
+    api_key: str = typer.Option(None, "--api-key", envvar="LORAFLEET_API_KEY", help="Bearer key, if set."),
+    timeout: float = typer.Option(60.0, help="Seconds to wait for the answer."),
+) -> None:
+    """Embed TEXTs through the gateway and print the vectors."""
+    body = _call_gateway(url, "/v1/embeddings", {"model": model, "input": texts}, api_key, timeout)
     if as_json:
         typer.echo(json.dumps(body))
         return
@@ -202,33 +209,10 @@ def rerank(
     timeout: float = typer.Option(60.0, help="Seconds to wait for the answer."),
 ) -> None:
     """Rank DOCUMENTs by relevance to QUERY through the gateway (POST /v1/rerank), best first."""
-    import httpx
-
-    from lorafleet import settings
-    from lorafleet.cluster import ClusterError, ClusterState
-
-    if url is None:
-        try:
-            url = ClusterState.load(settings.home()).gateway_url
-        except ClusterError:
-            url = os.environ.get("LORAFLEET_URL", "http://127.0.0.1:8080")
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     body: dict[str, object] = {"model": model, "query": query, "documents": documents}
     if top_n is not None:
         body["top_n"] = top_n
-    try:
-        r = httpx.post(f"{url.rstrip('/')}/v1/rerank", json=body, headers=headers, timeout=timeout)
-    except httpx.HTTPError as exc:
-        _fail(f"cannot reach the gateway at {url}: {exc} (is the cluster up? `lorafleet up`)")
-        return
-    if r.status_code != 200:
-        try:
-            err = r.json()["error"]
-            _fail(f"{r.status_code} {err.get('code')}: {err.get('message')}")
-        except (ValueError, KeyError):
-            _fail(f"{r.status_code}: {r.text[:500]}")
-        return
-    answer = r.json()
+    answer = _call_gateway(url, "/v1/rerank", body, api_key, timeout)
     if as_json:
         typer.echo(json.dumps(answer))
         return
