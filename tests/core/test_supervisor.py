@@ -5,13 +5,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from lorafleet.processes import find_parts, part_name, stop_group, stop_order
 from lorafleet.supervisor import RestartPolicy, Supervisor
+from lorafleet.testing import wait_until
 
 
 class FakeCluster:
@@ -94,10 +94,7 @@ def test_find_parts_sees_a_running_process_and_stop_group_stops_it(tmp_path: Pat
     proc = subprocess.Popen([sys.executable, "-c", code, "-m", "lorafleet.sidecar", "--fleet",
                              str(home / "fleet.yaml"), "--worker-id", "worker-7"], start_new_session=True)
     try:
-        deadline = time.monotonic() + 10
-        while find_parts(home).get("worker-7") != proc.pid:
-            assert time.monotonic() < deadline, find_parts(home)
-            time.sleep(0.05)
+        wait_until(lambda: find_parts(home).get("worker-7") == proc.pid, 10, "find_parts seeing worker-7")
         assert os.getpid() not in find_parts(home).values()
     finally:
         stop_group(proc.pid, 5.0)

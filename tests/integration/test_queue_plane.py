@@ -195,7 +195,8 @@ class Sampler:
 
     def __init__(self, cluster: LocalCluster) -> None:
         self.c = cluster
-        self.requests: list[tuple[float, int]] = []
+        self.requests: list[tuple[float, int]] = []  # (answered at, status)
+        self.started: list[tuple[float, float, int]] = []  # (sent at, answered at, status)
         self.readyz: list[tuple[float, int]] = []
         self.stop = threading.Event()
         self.threads = [threading.Thread(target=self._requests, daemon=True) for _ in range(3)]
@@ -204,12 +205,15 @@ class Sampler:
     def _requests(self) -> None:
         with httpx.Client(timeout=30) as client:
             while not self.stop.is_set():
+                sent = time.monotonic()
                 try:
                     r = client.post(f"{self.c.gateway_url}/v1/encode/{BASE}", content=encode_body("x", 3000))
-                    self.requests.append((time.monotonic(), r.status_code))
+                    status = r.status_code
                 except httpx.HTTPError:
-                    self.requests.append((time.monotonic(), 0))
+                    status = 0
                     time.sleep(0.05)
+                self.requests.append((time.monotonic(), status))
+                self.started.append((sent, time.monotonic(), status))
 
     def _readyz(self) -> None:
         while not self.stop.is_set():
@@ -222,9 +226,14 @@ class Sampler:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.finish()
+
+    def finish(self) -> None:
+        """Stop sending and wait for every request in flight to be answered (a 3 s deadline each)."""
         self.stop.set()
         for t in self.threads:
             t.join(timeout=40)
+        assert not any(t.is_alive() for t in self.threads), "a request was never answered"
 
     def since(self, t0: float) -> tuple[list[int], list[int]]:
         return [s for t, s in self.requests if t > t0], [s for t, s in self.readyz if t > t0]
@@ -235,32 +244,55 @@ def _recovered(sampler: Sampler, t0: float) -> bool:
     return len(reqs) > 5 and reqs[-5:] == [200] * 5 and bool(ready) and ready[-1] == 200
 
 
-# The race this retry tolerates: /readyz is sampled every 50 ms, and the gateway reports not-ready only from the
-# stream's re-creation until its next queue read (monitor_s, 0.5 s) sees the workers' new consumers. That window
-# can fall between two samples (or be empty when the workers are quick), so a request answered 503 may have no
-# 503 sample beside it. A real defect (504s, other statuses, no recovery) fails every run.
-@pytest.mark.flaky(reruns=2)
-def test_work_stream_deleted_under_load_heals_and_readiness_is_honest(tmp_path: Path) -> None:
+def _delete_the_work_stream(c: LocalCluster) -> None:
+    async def delete() -> None:
+        admin = await connect_as(c, "admin")
+        await admin.jetstream().delete_stream(c.fleet.queue.stream)
+        await admin.close()
+
+    asyncio.run(delete())
+
+
+def test_work_stream_deleted_under_load_heals(tmp_path: Path) -> None:
+    """Every request is answered (the load is stopped and awaited before anything is checked): one sent once
+    the stream is gone is served or refused at once (503), never left to time out. A task stored in the stream
+    when it was deleted went with it, so only a request in flight at that moment may get 504 at its deadline
+    (measured: sent 30 ms before the deletion returned, answered 504 after 3 s)."""
     with LocalCluster(synth_fleet(), workers=2, port=0, home=tmp_path / "home") as c, Sampler(c) as sampler:
         until(lambda: len(sampler.requests) > 20, 20, "load")
-
-        async def delete() -> None:
-            admin = await connect_as(c, "admin")
-            await admin.jetstream().delete_stream(c.fleet.queue.stream)
-            await admin.close()
-
         t_del = time.monotonic()
-        asyncio.run(delete())
+        _delete_the_work_stream(c)
+        t_gone = time.monotonic()
         took = until(lambda: _recovered(sampler, t_del), 30, "recovery after the stream was deleted")
-        reqs, ready = sampler.since(t_del)
-        print(f"\nstream deleted under load: recovered in {took:.2f}s; requests {counts_of(reqs)}, "
-              f"readyz {counts_of(ready)}")
-        assert 504 not in reqs, counts_of(reqs)  # refused at once while broken (503), never left to time out
-        assert set(reqs) <= {200, 503}, counts_of(reqs)
-        if 503 in reqs:  # if anything failed, the probe said so too
-            assert 503 in ready, counts_of(ready)
+        sampler.finish()  # every request in flight is answered before anything is checked
+        after = [s for sent, _, s in sampler.started if sent > t_gone]
+        caught = [s for sent, done, s in sampler.started if sent <= t_gone and done > t_del]
+        print(f"\nstream deleted under load: recovered in {took:.2f}s; requests sent after the deletion "
+              f"{counts_of(after)}, in flight at it {counts_of(caught)}")
+        assert set(after) <= {200, 503}, counts_of(after)  # refused at once while broken, never left to time out
+        assert set(caught) <= {200, 503, 504}, counts_of(caught)  # 504: its task was deleted with the stream
         log = c.log_path("worker-1").read_text() + c.log_path("worker-2").read_text()
         assert "re-created" in log and log.count("pull on") == 0  # healed, one line each, no warning per pull
+
+
+# The race this retry tolerates: the probe is sampled, and the not-ready window can be shorter than one probe.
+# Requests are refused 503 `no_worker` while both workers' heartbeats omit the base (their consumers are gone),
+# and /readyz is not ready in exactly that state; but the window closes as soon as one worker re-creates its
+# consumer and heartbeats, which can take less than a probe's round trip (seen: a 503 `no_worker` answer, then a
+# /readyz call sent right after it answered ready). So a run can see a 503 and no not-ready sample. What does not
+# depend on sampling (statuses, 504s, recovery) is checked without a retry by the test above.
+@pytest.mark.flaky(reruns=1)
+def test_readiness_says_not_ready_while_requests_are_refused(tmp_path: Path) -> None:
+    with LocalCluster(synth_fleet(), workers=2, port=0, home=tmp_path / "home") as c, Sampler(c) as sampler:
+        until(lambda: len(sampler.requests) > 20, 20, "load")
+        t_del = time.monotonic()
+        _delete_the_work_stream(c)
+        until(lambda: _recovered(sampler, t_del), 30, "recovery after the stream was deleted")
+        sampler.finish()
+        reqs, ready = sampler.since(t_del)
+        print(f"\nstream deleted under load: requests {counts_of(reqs)}, readyz {counts_of(ready)}")
+        if 503 in reqs:  # if anything was refused, the probe said so too
+            assert 503 in ready, counts_of(ready)
 
 
 def test_memory_store_lost_with_its_server_heals(tmp_path: Path) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import time
 from pathlib import Path
 
 import httpx
@@ -19,6 +18,7 @@ from lorafleet.heartbeats import ENV_RESTARTS, Presence
 from lorafleet.nats_server import NatsServer
 from lorafleet.sidecar import metrics as m
 from lorafleet.sidecar.metrics import MetricsServer, WorkerMetrics
+from lorafleet.testing import wait_until
 from lorafleet.wire import presence_subject
 
 
@@ -81,12 +81,11 @@ def test_a_worker_counts_tasks_batches_and_adapters(tmp_path: Path, tiny_model_d
         second = [make_task(t, reply_to(), adapter="b", adapter_uri=str(tiny_adapters["b"])) for t in texts[:2]]
         assert all(r.ok for r in asyncio.run(roundtrip(server.url, second)))  # loads b, evicts a (max_adapters 1)
 
-        deadline = time.monotonic() + 10.0  # the last settle (ack) follows the receipt
-        while True:
-            after = scrape(url)
-            if value(after, f"{m.TASKS}_total", base=BASE, outcome="ok") >= 7 or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
+        def seven_ok() -> dict | None:  # the last settle (ack) follows the receipt
+            samples = scrape(url)
+            return samples if value(samples, f"{m.TASKS}_total", base=BASE, outcome="ok") >= 7 else None
+
+        after = wait_until(seven_ok, 10.0, "seven tasks settled ok")
         assert value(after, f"{m.TASKS}_total", base=BASE, outcome="ok") == 7.0
         assert value(after, f"{m.TASKS}_total", base=BASE, outcome="deadline") == 1.0
         assert value(after, f"{m.BATCH_SIZE}_sum", base=BASE) == 7.0  # the expired task never reached a batch

@@ -34,6 +34,8 @@ from lorafleet.sidecar.vllm_engine import (
     write_support_files,
 )
 from lorafleet.sidecar.vllm_install import find_vllm_venv, venv_python
+from lorafleet.testing import build_tiny_llama as shared_tiny_llama
+from lorafleet.testing import wait_until_async
 
 VENV = find_vllm_venv()
 SKIP_REASON = ("vLLM venv not installed: run `python -m lorafleet.sidecar.vllm_install` "
@@ -45,71 +47,14 @@ pytestmark = [
 ]
 
 PROMPTS = ["The quick brown fox", "Workers pull tasks from the queue"]
-MAX_MODEL_LEN = 512  # the tiny Llama's max_position_embeddings: long streams to cancel
+# The tiny Llama's max_position_embeddings: streams long enough to cancel (see the cancel test).
+MAX_MODEL_LEN = 8192
 GREEDY = {"max_tokens": 16, "temperature": 0.0}
 LORA_NAMES = ("a", "b", "c")
 
 # ---- a tiny Llama and random LoRAs, built on the fly ------------------------------------------
-# lorafleet.testing.build_tiny_llama is the shared one; the copy below only serves until it is
-# committed there (delete it then).
-try:
-    from lorafleet.testing import build_tiny_llama as _shared_tiny_llama
-except ImportError:  # pragma: no cover - older lorafleet.testing
-    _shared_tiny_llama = None
-_CORPUS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "A small model for fast unit tests of the serving cluster.",
-    "Der Verkäufer einer Sache ist verpflichtet, dem Käufer die Sache zu übergeben.",
-    "Workers pull tasks from the queue, batch them and reply.",
-    "What is the capital of France? Paris is the capital of France.",
-    "Hello, how are you today? I am fine, thank you.",
-]
-# Every printable ASCII character is in the vocabulary: an <unk> in a prompt makes vLLM 0.32's
-# incremental detokenizer hold back the whole stream until the end (measured: TTFT = total time).
-ALPHABET = [chr(c) for c in range(33, 127)] + list("äöüÄÖÜß")
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def _local_tiny_llama(out_dir: Path, *, seed: int = 0) -> Path:
-    """hidden 128, 2 heads of 64 (vLLM's CPU attention needs head_dim >= 32), 2 layers, a BPE
-    tokenizer with Metaspace (every token decodes to valid text, so streamed deltas are exact)
-    and a ChatML-like template. Special tokens get zero logits, so greedy output never stops early."""
-    import torch
-    from tokenizers import Tokenizer, decoders, pre_tokenizers
-    from tokenizers.models import BPE
-    from tokenizers.trainers import BpeTrainer
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    special = ["<unk>", "<s>", "<|im_start|>", "<|im_end|>", "<pad>"]
-    tok = Tokenizer(BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace()
-    tok.decoder = decoders.Metaspace()
-    tok.train_from_iterator(_CORPUS * 4, BpeTrainer(vocab_size=384, special_tokens=special, show_progress=False,
-                                                      initial_alphabet=ALPHABET))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                                   eos_token="<|im_end|>", pad_token="<pad>")
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(out_dir)
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(fast), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
-                         bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
-                         pad_token_id=fast.pad_token_id, tie_word_embeddings=False, initializer_range=0.2)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        model.lm_head.weight[: len(special)] = 0
-    model.save_pretrained(out_dir)
-    return out_dir
-
-
 def build_tiny_llama(out_dir: Path) -> Path:
-    if _shared_tiny_llama is not None:
-        return _shared_tiny_llama(out_dir, mute_special_tokens=True)
-    return _local_tiny_llama(out_dir)
+    return shared_tiny_llama(out_dir, mute_special_tokens=True, max_positions=MAX_MODEL_LEN)
 
 
 def make_lora(base: Path, out_dir: Path, seed: int) -> Path:
@@ -287,41 +232,27 @@ async def test_concurrent_streams_all_finish(engine: VllmEngine, reference: dict
 
 
 async def _wait_idle(engine: VllmEngine) -> dict[str, float]:
-    for _ in range(300):  # aborted sequences leave at the next engine step; a busy box makes steps slow
+    """The engine's stats once nothing runs or waits (an aborted sequence leaves at the next engine step)."""
+    async def idle() -> dict[str, float] | None:
         stats = await engine.stats()
-        if stats["running"] == 0 and stats["waiting"] == 0:
-            return stats
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"engine still busy: {stats}")
+        return stats if stats["running"] == 0 and stats["waiting"] == 0 else None
+
+    return await wait_until_async(idle, 30, "the engine running and queueing nothing", poll_s=0.1)
 
 
-FILLERS = 4  # other long sequences: they slow every step, so the stream is cancelled well before its end
-
-
-# The race this retry tolerates (real-engine timing): vLLM's engine core, a process of its own, can generate the
-# whole budget before its API server process, short of CPU on a shared 2-core box, notices that the client left.
-# Then nothing is left to abort and vLLM logs no "Request … aborted." line for `rid`. The fillers make it less
-# likely, not impossible: under heavy load ("cancel" variant) it happened in several runs in a row.
-@pytest.mark.flaky(reruns=2)
+# No retry: the cancelled sequence asks for MAX_MODEL_LEN - 16 tokens (ignore_eos): ~20 s of generation on a 2-core
+# box at load 10 (~400 tokens/s measured), seconds on any CPU; the engine went idle 0.15-0.35 s after the request,
+# 1-8 tokens in. The race this test once tolerated with a retry (the engine core finishing a 496-token budget before
+# a CPU-starved API server saw the disconnect) would need the API server starved for the whole generation.
 @pytest.mark.parametrize("how", ["aclose", "cancel"])
 async def test_cancelled_stream_stops_generation_in_the_engine(engine: VllmEngine, how: str) -> None:
-    # On a busy 2-core machine the tiny model's whole budget took less time than the API server needed to
-    # send the first delta (the engine core outran it), so nothing was left to abort: fillers keep it busy.
     budget = MAX_MODEL_LEN - 16
     rid = f"cancel-{how}-{uuid.uuid4().hex[:8]}"
     req = GenerateRequest(prompt=PROMPTS[0], max_tokens=budget, temperature=0, request_id=rid,
                           extra={"ignore_eos": True})
     before = await _wait_idle(engine)
-    started = [asyncio.Event() for _ in range(FILLERS)]
-
-    async def filler(ready: asyncio.Event) -> None:
-        async for _ in engine.stream(GenerateRequest(prompt=PROMPTS[1], max_tokens=budget, temperature=0,
-                                                     extra={"ignore_eos": True})):
-            ready.set()
-
-    fillers = [asyncio.create_task(filler(e)) for e in started]
-    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
     got: list[str] = []
+    t0 = time.monotonic()
     if how == "aclose":
         items = engine.stream(req)
         async for item in items:
@@ -341,24 +272,16 @@ async def test_cancelled_stream_stops_generation_in_the_engine(engine: VllmEngin
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-    for f in fillers:
-        f.cancel()
-    await asyncio.gather(*fillers, return_exceptions=True)
-    after = await _wait_idle(engine)
-    await asyncio.sleep(1.0)
-    later = await engine.stats()
+    after = await _wait_idle(engine)  # nothing runs any more: the sequence left the engine
     generated = after["generation_tokens_total"] - before["generation_tokens_total"]
-    assert generated < budget * (FILLERS + 1), "the engine generated every budget: nothing was aborted"
-    assert later["generation_tokens_total"] == after["generation_tokens_total"]
-    # vllm 0.32 does not count aborts in vllm:request_success_total{finished_reason="abort"}; its log says it.
-    # The engine writes that line from its own process: poll its log for a while rather than read it once.
-    deadline = time.monotonic() + 15
-    while True:
-        log = engine.log_tail(400)
-        if any(rid in line and "abort" in line.lower() for line in log.splitlines()):
-            break
-        assert time.monotonic() < deadline, log[-2000:]
-        await asyncio.sleep(0.2)
+    print(f"\n{how}: {generated} of {budget} tokens generated, idle {time.monotonic() - t0:.2f} s after the start")
+    assert got and 0 < generated < budget, "the engine generated the whole budget: nothing was aborted"
+    # vllm 0.32 does not count aborts in vllm:request_success_total{finished_reason="abort"}; its log says it,
+    # from its own process: wait for the line.
+    def abort_logged() -> list[str]:
+        return [ln for ln in engine.log_tail(400).splitlines() if rid in ln and "abort" in ln.lower()]
+
+    await wait_until_async(abort_logged, 15, f"the engine logging the abort of {rid}", poll_s=0.2)
 
 
 async def test_requests_without_the_key_are_refused(engine: VllmEngine) -> None:
@@ -414,14 +337,15 @@ async def test_nothing_outlives_a_killed_worker(tiny: dict[str, Path], tmp_path:
         os.killpg(server, 0)  # the engine's group is alive
         worker.kill()
         await worker.wait()
-        for _ in range(100):
+        def group_gone() -> bool:
             try:
                 os.killpg(server, 0)
             except ProcessLookupError:
-                break
-            await asyncio.sleep(0.1)
-        else:
-            raise AssertionError("engine processes outlived the worker that started them")
+                return True
+            return False
+
+        await wait_until_async(group_gone, 10, "the engine's processes ending with the worker that started them",
+                               poll_s=0.1)
     finally:
         for pgid in (worker.pid, server):
             with contextlib.suppress(ProcessLookupError, TypeError):
