@@ -74,11 +74,12 @@ def ensure_venv(venv: Path | None = None, say=print) -> Path:  # type: ignore[no
     return exe
 
 
-def server_argv(exe: Path, model_dir: str, port: int, batch_size: int = 32) -> list[str]:
+def server_argv(exe: Path, model_dir: str, port: int, batch_size: int = 32, dtype: str | None = None) -> list[str]:
+    """`dtype`: infinity's --dtype (its CLI offers float32, float16, bfloat16, int8, fp8, auto); None: its default."""
     # --help shows disk cache and compile as defaults; both are off in its code (MEASURED.md). Be explicit anyway.
     return [str(exe), "v2", "--model-id", model_dir, "--served-model-name", "all-MiniLM-L6-v2", "--engine", "torch",
             "--device", "cpu", "--batch-size", str(batch_size), "--no-vector-disk-cache", "--host", "127.0.0.1",
-            "--port", str(port)]
+            "--port", str(port), *(["--dtype", dtype] if dtype else [])]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -118,6 +118,44 @@ def measure_raw(model: Any, texts: list[str], batch_sizes: list[int], seconds: f
     return out
 
 
+def measure_ceiling(model: Any, texts: list[str], batch_sizes: list[int], seconds: float,
+                    precision: str = "fp32") -> dict[str, Any]:
+    """The ceiling the issue names: `encode(texts, batch_size=b)` over all the sentences at once, which sorts them
+    by length before cutting batches (almost no padding), at each batch size; sentences/s and the best. `model` is
+    cast to `precision` (a copy, so the fp32 model stays as it is)."""
+    import copy
+
+    import torch
+
+    if precision != "fp32":
+        model = copy.deepcopy(model).to({"bf16": torch.bfloat16, "fp16": torch.float16}[precision])
+    model.encode(texts[:16], show_progress_bar=False, convert_to_tensor=True)  # warm up
+    out: dict[str, Any] = {"precision": precision, "by_batch": {}, "per_cpu_s": {}}
+    for b in batch_sizes:
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        # .cpu(): on a GPU the timing must include the work, not just its launch.
+        lat = _timed_loop(lambda b=b: model.encode(texts, batch_size=b, show_progress_bar=False,  # type: ignore[misc]
+                                                   convert_to_tensor=True).float().cpu(), seconds, min_calls=1)
+        sps = len(texts) * len(lat) / (sum(lat) / 1000.0)
+        out["by_batch"][str(b)] = round(sps, 1)
+        # Per CPU second of this process too: on a shared machine the wall-clock figure is the CPU share it got.
+        cpu = time.process_time() - cpu0
+        out["per_cpu_s"][str(b)] = round(len(texts) * len(lat) / cpu, 1) if cpu > 0 else None
+        out.setdefault("cores", {})[str(b)] = round(cpu / (time.perf_counter() - wall0), 2)
+        say(f"  ceiling ({precision}, sorted by encode) batch {b:>3}: {sps:6.1f} sentences/s, "
+            f"{out['per_cpu_s'][str(b)]} per CPU second")
+    best = max(out["by_batch"].items(), key=lambda kv: kv[1])
+    out["best_batch"], out["best_sentences_per_s"] = int(best[0]), best[1]
+    out["best_per_cpu_s"] = max((v for v in out["per_cpu_s"].values() if v), default=None)
+    return out
+
+
+def _native_reduced() -> frozenset[str]:
+    from lorafleet.precision import native_cpu_precisions, read_cpuinfo
+
+    return native_cpu_precisions(read_cpuinfo())
+
+
 # -- contenders ---------------------------------------------------------------------------------
 
 @dataclass
@@ -131,6 +169,7 @@ class Contender:
     vectors: Callable[[bytes], np.ndarray]
     stop: Callable[[], None]
     started_s: float = 0.0
+    pids: tuple[int, ...] = ()  # the server's processes (their children are counted too): CPU per point
 
     def target(self, texts: list[str]) -> Target:
         bodies = [self.body(t) for t in texts]
@@ -207,7 +246,7 @@ def thread_env(threads: int) -> dict[str, str]:
 
 
 def start_lorafleet(work: Path, profile: dict[str, Any] | None, threads: int, name: str = "lorafleet",
-                    precision: str = "auto") -> Contender:
+                    precision: str = "auto", device: str = "cpu") -> Contender:
     from lorafleet.cluster import LocalCluster
     from lorafleet.config import BaseModelSpec, FleetConfig, GatewayConfig, ServingProfile, WorkerConfig
     from lorafleet.nats_server import free_port
@@ -216,39 +255,59 @@ def start_lorafleet(work: Path, profile: dict[str, Any] | None, threads: int, na
     prof = ServingProfile(**(profile or {}))
     fleet = FleetConfig(bases=[BaseModelSpec(name=MODEL_NAME, precision=precision)],  # type: ignore[arg-type]
                         gateway=GatewayConfig(port=0, default_deadline_s=60.0),
-                        worker=WorkerConfig(profile=prof, device="cpu"))
+                        worker=WorkerConfig(profile=prof, device=device))
     check_fleet_precisions(fleet)  # as `lorafleet up` does: an unsupported precision is not started
     t0 = time.monotonic()
     home = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=work))
     cluster = LocalCluster(fleet, workers=1, port=0, home=home, nats_port=free_port(),
                            extra_env=thread_env(threads), **SECURITY[name]).start(timeout=240)
     c = Contender(name, cluster.host, cluster.port, f"/v1/encode/{MODEL_NAME}", "application/msgpack",
-                  _msgpack_body, _msgpack_vectors, cluster.stop)
+                  _msgpack_body, _msgpack_vectors, cluster.stop,
+                  pids=(*(proc.pid for proc in cluster.procs.values()), cluster.nats.pid))
     c.started_s = time.monotonic() - t0
     return c
 
 
-def start_user_path(work: Path, routes: list[str], threads: int | None) -> tuple[list[Contender], Any]:
-    """One cluster as `lorafleet up` starts it, and a contender per route on it (they share it: stop the cluster)."""
+def start_user_path(work: Path, routes: list[str], threads: int | None,
+                    precision: str | None = None) -> tuple[list[Contender], Any]:
+    """One cluster as `lorafleet up` starts it, and a contender per route on it (they share it: stop the cluster).
+
+    `precision` (not `auto`) pins what the base's `precision: auto` resolves to (LORAFLEET_AUTO_PRECISION), so the
+    same fleet file is served at fp32 beside the guard's choice; the contenders are then named `route@precision`."""
     from lorafleet.cluster import LocalCluster, load_fleet
     from lorafleet.nats_server import free_port
+    from lorafleet.precision import AUTO_ENV
     from lorafleet.settings import DEFAULT_FLEET
 
     t0 = time.monotonic()
     home = Path(tempfile.mkdtemp(prefix="user-path-", dir=work))
+    pinned, _, variant = (precision or "").partition(":")
+    env = {**(thread_env(threads) if threads else {}),
+           **({AUTO_ENV: pinned} if pinned and pinned != "auto" else {}),
+           # `auto:old`, `fp32:old`: the worker as before issue 27 (one batch per pull, one forward pass per batch);
+           # `:nocuts` (window of 2, one pass) / `:nowindow` / `:window` vary one; `:b32` serves batches of 32.
+           **({"LORAFLEET_SORT_WINDOW": "1"} if variant in ("old", "nowindow") else {"LORAFLEET_SORT_WINDOW": "2"}
+              if variant in ("nocuts", "window") else {}),
+           **({"LORAFLEET_PASS_CUTS": "0"} if variant in ("old", "nocuts") else {}),
+           **({"LORAFLEET_PASS_CUTS": "1"} if variant == "cuts" else {})}
+    fleet = load_fleet(DEFAULT_FLEET if DEFAULT_FLEET.is_file() else None)
+    if variant.startswith("b") and variant[1:].isdigit():  # `auto:b32`: the fleet file with another batch size
+        worker = fleet.worker.model_copy(update={"profile": fleet.worker.profile.model_copy(
+            update={"max_batch_items": int(variant[1:])})})
+        fleet = fleet.model_copy(update={"worker": worker})
     # Only the ports differ from `lorafleet up` (free ones, so a running cluster is left alone).
-    cluster = LocalCluster(load_fleet(DEFAULT_FLEET if DEFAULT_FLEET.is_file() else None), workers=1, port=0,
-                           home=home, nats_port=free_port(), extra_env=thread_env(threads) if threads else None,
+    cluster = LocalCluster(fleet, workers=1, port=0, home=home, nats_port=free_port(), extra_env=env or None,
                            supervise=True)
     cluster.start(timeout=240)
     started = time.monotonic() - t0
     out = []
     for route in routes:
+        name = f"{route}@{precision}" if precision else route
         if route == "msgpack":
-            c = Contender(route, cluster.host, cluster.port, f"/v1/encode/{MODEL_NAME}", "application/msgpack",
+            c = Contender(name, cluster.host, cluster.port, f"/v1/encode/{MODEL_NAME}", "application/msgpack",
                           _msgpack_body, _msgpack_vectors, lambda: None)
         else:
-            c = Contender(route, cluster.host, cluster.port, "/v1/embeddings", "application/json",
+            c = Contender(name, cluster.host, cluster.port, "/v1/embeddings", "application/json",
                           _openai_body(route.removeprefix("openai-")), _openai_vectors, lambda: None)
         c.started_s = started
         out.append(c)
@@ -273,33 +332,50 @@ def profile_during(pids: dict[str, int], seconds: float, out_dir: Path, label: s
             for part, pid in pids.items()]
 
 
-def measure_user_path(contenders: list[Contender], cluster: Any, texts: list[str], concurrencies: list[int],
-                      point_s: float, warmup_s: float, profile_dir: Path | None) -> dict[str, list[dict[str, Any]]]:
-    """The routes take turns at each concurrency (drift hits them alike); CPU seconds per process per point."""
+def _median_point(points: list[dict[str, Any]]) -> dict[str, Any]:
+    """Of several rounds at one concurrency, the round with the median throughput (the lower middle of an even
+    count), so a report's row is one real measurement."""
+    ranked = sorted(points, key=lambda p: p["throughput_rps"])
+    return {**ranked[(len(ranked) - 1) // 2], "rounds_rps": [p["throughput_rps"] for p in points]}
+
+
+def measure_user_path(contenders: list[tuple[Contender, Any]], texts: list[str], concurrencies: list[int],
+                      point_s: float, warmup_s: float, profile_dir: Path | None,
+                      rounds: int = 1) -> dict[str, list[dict[str, Any]]]:
+    """The routes (of one or more clusters) take turns at each concurrency, `rounds` times (drift hits them alike);
+    CPU seconds per process per point. Each concurrency's point is the round with the median throughput."""
     import psutil
 
-    parts = {**{name: proc.pid for name, proc in cluster.procs.items()}, "nats-server": cluster.nats.pid}
-    ps = {name: psutil.Process(pid) for name, pid in parts.items()}
-    targets = {c.name: c.target(texts) for c in contenders}
+    procs: dict[str, dict[str, Any]] = {}
+    for c, cluster in contenders:
+        parts = {**{name: proc.pid for name, proc in cluster.procs.items()}, "nats-server": cluster.nats.pid}
+        procs[c.name] = {name: psutil.Process(pid) for name, pid in parts.items()}
+    targets = {c.name: c.target(texts) for c, _ in contenders}
     if warmup_s:
         for t in targets.values():
             _run(closed_loop(t, max(8, min(concurrencies[-1], 32)), warmup_s))
-    points: dict[str, list[dict[str, Any]]] = {c.name: [] for c in contenders}
+    points: dict[str, list[dict[str, Any]]] = {c.name: [] for c, _ in contenders}
     for conc in concurrencies:
-        for c in contenders:
-            spies = (profile_during({k: v for k, v in parts.items() if k != "nats-server"}, point_s, profile_dir,
-                                    f"{c.name}-c{conc}")
-                     if profile_dir is not None and conc == concurrencies[-1] else [])
-            cpu0 = {k: sum(p.cpu_times()[:2]) for k, p in ps.items()}
-            r = _run(closed_loop(targets[c.name], conc, point_s))
-            s = r.summary()
-            s["statuses"] = {str(k): v for k, v in r.statuses.items()}
-            s["cores_used"] = {k: round((sum(p.cpu_times()[:2]) - cpu0[k]) / point_s, 2) for k, p in ps.items()}
-            points[c.name].append(s)
-            for spy in spies:
-                spy.wait(timeout=point_s + 60)
-            say(f"  {c.name:<13} c={conc:<4} {r.throughput:7.1f} req/s  p50 {fmt(r.percentile(50))} ms  "
-                f"p99 {fmt(r.percentile(99))} ms  errors {r.errors}  cores {s['cores_used']}")
+        per_round: dict[str, list[dict[str, Any]]] = {c.name: [] for c, _ in contenders}
+        for rnd in range(rounds):
+            for c, _ in contenders:
+                ps = procs[c.name]
+                spies = (profile_during({k: p.pid for k, p in ps.items() if k != "nats-server"}, point_s,
+                                        profile_dir, f"{c.name}-c{conc}")
+                         if profile_dir is not None and conc == concurrencies[-1] and rnd == 0 else [])
+                cpu0 = {k: sum(p.cpu_times()[:2]) for k, p in ps.items()}
+                r = _run(closed_loop(targets[c.name], conc, point_s))
+                s = r.summary()
+                s["statuses"] = {str(k): v for k, v in r.statuses.items()}
+                s["cores_used"] = {k: round((sum(p.cpu_times()[:2]) - cpu0[k]) / point_s, 2) for k, p in ps.items()}
+                s["loadavg"] = loadavg()
+                per_round[c.name].append(s)
+                for spy in spies:
+                    spy.wait(timeout=point_s + 60)
+                say(f"  {c.name:<18} c={conc:<4} {r.throughput:7.1f} req/s  p50 {fmt(r.percentile(50))} ms  "
+                    f"p99 {fmt(r.percentile(99))} ms  errors {r.errors}  cores {s['cores_used']}")
+        for name, pts in per_round.items():
+            points[name].append(_median_point(pts) if len(pts) > 1 else pts[0])
     return points
 
 
@@ -317,12 +393,13 @@ def start_naive(work: Path, model_dir: str, threads: int) -> Contender:
         _stopper(proc)()
         raise
     c = Contender("naive", "127.0.0.1", port, "/encode", "application/msgpack", _msgpack_body, _msgpack_vectors,
-                  _stopper(proc))
+                  _stopper(proc), pids=(proc.pid,))
     c.started_s = time.monotonic() - t0
     return c
 
 
-def start_infinity(work: Path, model_dir: str, batch_size: int, threads: int) -> Contender:
+def start_infinity(work: Path, model_dir: str, batch_size: int, threads: int,
+                   dtype: str | None = None) -> Contender:
     from lorafleet.bench.infinity import ensure_venv, server_argv
     from lorafleet.nats_server import free_port
 
@@ -332,14 +409,14 @@ def start_infinity(work: Path, model_dir: str, batch_size: int, threads: int) ->
     t0 = time.monotonic()
     env = {"HF_HUB_OFFLINE": "1", "DO_NOT_TRACK": "1", "INFINITY_ANONYMOUS_USAGE_STATS": "0",
            **thread_env(threads)}
-    proc = _spawn(server_argv(exe, model_dir, port, batch_size), log, env)
+    proc = _spawn(server_argv(exe, model_dir, port, batch_size, dtype), log, env)
     try:
         _wait_http(f"http://127.0.0.1:{port}/health", proc, 180, log)
     except BaseException:
         _stopper(proc)()
         raise
     c = Contender("infinity", "127.0.0.1", port, "/embeddings", "application/json", _infinity_body,
-                  _openai_vectors, _stopper(proc))
+                  _openai_vectors, _stopper(proc), pids=(proc.pid,))
     c.started_s = time.monotonic() - t0
     return c
 
@@ -358,6 +435,20 @@ def _run(coro: Any) -> LoadResult:
     return uvloop.run(coro)
 
 
+def _cpu_seconds(pids: tuple[int, ...]) -> float:
+    """User + system CPU seconds of `pids` and their living children (a worker's engine, infinity's workers)."""
+    import psutil
+
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            proc = psutil.Process(pid)
+            for p in (proc, *proc.children(recursive=True)):
+                with contextlib.suppress(psutil.Error):
+                    total += sum(p.cpu_times()[:2])
+    return total
+
+
 def measure_contender(c: Contender, texts: list[str], concurrencies: list[int], point_s: float,
                       warmup_s: float) -> list[dict[str, Any]]:
     target = c.target(texts)
@@ -365,9 +456,13 @@ def measure_contender(c: Contender, texts: list[str], concurrencies: list[int], 
         _run(closed_loop(target, max(8, min(concurrencies[-1], 32)), warmup_s))
     points = []
     for conc in concurrencies:
+        cpu0 = _cpu_seconds(c.pids)
         r = _run(closed_loop(target, conc, point_s))
         s = r.summary()
         s["statuses"] = {str(k): v for k, v in r.statuses.items()}
+        if c.pids:
+            s["cores_used"] = {"server": round((_cpu_seconds(c.pids) - cpu0) / point_s, 2)}
+        s["loadavg"] = loadavg()
         points.append(s)
         say(f"  {c.name:<9} c={conc:<4} {r.throughput:7.1f} req/s  p50 {fmt(r.percentile(50))} ms  "
             f"p99 {fmt(r.percentile(99))} ms  errors {r.errors}  loadgen CPU {r.gen_cpu_pct:.1f}%")
@@ -376,34 +471,48 @@ def measure_contender(c: Contender, texts: list[str], concurrencies: list[int], 
 
 def run_user_path(work: Path, routes: list[str], threads: int | None, model: Any, texts: list[str],
                   raw_start: dict[str, Any], ref: np.ndarray, concurrencies: list[int], point_s: float,
-                  warmup_s: float, raw_s: float, profile_dir: Path | None) -> dict[str, dict[str, Any]]:
+                  warmup_s: float, raw_s: float, profile_dir: Path | None, precisions: list[str | None] | None = None,
+                  rounds: int = 1) -> dict[str, dict[str, Any]]:
+    """The user's path: one cluster per precision (None: the fleet's own `auto`), all running at once so their
+    points alternate (an idle cluster costs next to nothing)."""
     say("raw encode before the user's path…")
     adjacent = measure_raw(model, texts, sorted({1, raw_start["best_batch"]}), raw_s)
-    say(f"user path ({', '.join(routes)}): starting a cluster as `lorafleet up` does…")
+    clusters: list[Any] = []
+    entries: dict[str, dict[str, Any]] = {}
+    pairs: list[tuple[Contender, Any]] = []
     try:
-        contenders, cluster = start_user_path(work, routes, threads)
-    except Exception as exc:
-        say(f"user path: could not start: {exc}")
-        return {r: {"error": f"could not start: {exc}"} for r in routes}
-    try:
-        entries: dict[str, dict[str, Any]] = {}
-        for c in contenders:
-            cos = check_embeddings(c, texts[:8], ref)
-            entries[c.name] = {"startup_s": round(c.started_s, 1), "min_cosine": round(cos, 6), "endpoint": c.path,
-                               "raw_adjacent": adjacent, "threads": cluster.threads.describe()}
-            if cos <= COSINE_MIN:
-                entries[c.name]["error"] = f"embeddings differ from raw encode (min cosine {cos:.5f})"
-        ok = [c for c in contenders if "error" not in entries[c.name]]
-        say(f"  ready in {contenders[0].started_s:.1f}s; {cluster.threads.describe()}")
-        for name, pts in measure_user_path(ok, cluster, texts, concurrencies, point_s, warmup_s,
-                                           profile_dir).items():
+        for precision in precisions or [None]:
+            label = f" at precision {precision}" if precision else ""
+            say(f"user path ({', '.join(routes)}){label}: starting a cluster as `lorafleet up` does…")
+            try:
+                contenders, cluster = start_user_path(work, routes, threads, precision)
+            except Exception as exc:
+                say(f"user path{label}: could not start: {exc}")
+                entries.update({(f"{r}@{precision}" if precision else r): {"error": f"could not start: {exc}"}
+                                for r in routes})
+                continue
+            clusters.append(cluster)
+            for c in contenders:
+                cos = check_embeddings(c, texts[:8], ref)
+                entries[c.name] = {"startup_s": round(c.started_s, 1), "min_cosine": round(cos, 6),
+                                   "endpoint": c.path, "raw_adjacent": adjacent,
+                                   "threads": cluster.threads.describe(), "precision": precision or "auto"}
+                # What `auto` resolved to is what the worker's heartbeat says; the vectors' agreement is the guard's.
+                if cos <= COSINE_MIN:
+                    entries[c.name]["error"] = f"embeddings differ from raw encode (min cosine {cos:.5f})"
+                else:
+                    pairs.append((c, cluster))
+            say(f"  ready in {contenders[0].started_s:.1f}s; {cluster.threads.describe()}")
+        for name, pts in measure_user_path(pairs, texts, concurrencies, point_s, warmup_s, profile_dir,
+                                           rounds).items():
             entries[name]["points"] = pts
         return entries
     except Exception as exc:
         say(f"user path: failed: {exc}")
-        return {r: {"error": str(exc)} for r in routes}
+        return {**entries, **{c.name: {"error": str(exc)} for c, _ in pairs}}
     finally:
-        cluster.stop()
+        for cluster in clusters:
+            cluster.stop()
 
 
 # -- main ---------------------------------------------------------------------------------------
@@ -427,11 +536,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batches-in-flight", type=int, default=None, help="lorafleet worker profile: batches in flight.")
     p.add_argument("--precision", default=None,
                    help="Comma-separated precisions (fp32, bf16, fp16, int8, auto) to serve the lorafleet contenders' "
-                        "base at, each measured in turn (`lorafleet@bf16`); default: the base's auto.")
+                        "base at, each measured in turn (`lorafleet@bf16`); default: the base's auto. For the user's "
+                        "path, one cluster per precision, all measured in alternation (`openai-base64@fp32`; auto is "
+                        "plain `openai-base64`), and `auto:old` / `fp32:old` add the worker's batching as it was "
+                        "before issue 27 (one batch per pull, one forward pass per batch).")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="User path: measure each concurrency this many times, the routes and precisions taking turns "
+                        "(the median round is reported).")
+    p.add_argument("--ceiling-batch-sizes", default=None,
+                   help="Batch sizes of the sorted ceiling (encode over all sentences; default 8,16,32,64).")
     p.add_argument("--infinity-batch-size", type=int, default=32)
+    p.add_argument("--infinity-dtype", default=None,
+                   help="Comma-separated infinity-emb --dtype values, each measured in turn (`infinity@bfloat16`); "
+                        "default: its own (auto).")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads for raw encode and every contender (default: torch's own for raw "
                         "encode, the `lorafleet up` plan for the user's path, the number of CPUs for the others).")
+    p.add_argument("--device", default="cpu",
+                   help="Where raw encode and the lorafleet contenders run (cpu, cuda, cuda:0); the user's path and "
+                        "the peers start as they start themselves (scripts/gpu-check.sh uses cuda).")
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "serve.json")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
@@ -452,13 +575,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown contender(s) {unknown}; choose from {ALL_CONTENDERS}", file=sys.stderr)
         return 2
     precisions = args.precision.split(",") if args.precision else [None]
-    bad = [p for p in precisions if p not in (None, "auto", "fp32", "bf16", "fp16", "int8")]
+    bad = [p for p in precisions if (p or "auto").partition(":")[0] not in ("auto", "fp32", "bf16", "fp16", "int8")]
     if bad:
         print(f"error: unknown precision(s) {bad}; choose from auto, fp32, bf16, fp16, int8", file=sys.stderr)
         return 2
+    # infinity once per --infinity-dtype (`infinity@bfloat16`), adjacent like the precisions below.
+    infinity_dtypes = args.infinity_dtype.split(",") if args.infinity_dtype else [None]
     # Each lorafleet contender once per precision, adjacent (fp32 then bf16 …), so drift hits them alike.
     runs = [(f"{k}@{p}" if p else k, n, p) for k, n in zip(keys, contenders, strict=True)
-            for p in (precisions if n in SECURITY else [None])]
+            for p in ([q for q in precisions if ":" not in (q or "")] if n in SECURITY else
+                      infinity_dtypes if n == "infinity" else [None])]
     concurrencies = sorted(set(args.concurrency or ([1, 8] if quick else [1, 8, 32, 128])))
     point_s = args.point_s or (1.5 if quick else 8.0)
     warmup_s = 0.5 if quick else 2.0
@@ -487,8 +613,15 @@ def main(argv: list[str] | None = None) -> int:
     texts = german_sentences(400, seed=args.seed)
     check_texts = texts[:8]
     say("raw in-process encode…")
-    model = SentenceTransformer(model_dir, device="cpu")
+    model = SentenceTransformer(model_dir, device=args.device)
     raw_start = measure_raw(model, texts, batch_sizes, raw_s)
+    ceil_sizes = ([int(b) for b in args.ceiling_batch_sizes.split(",")] if args.ceiling_batch_sizes else
+                  ([16, 32] if quick else [8, 16, 32, 64]))
+    ceil_texts = texts[:96] if quick else texts
+    say("sorted ceiling (encode over all sentences, fp32 and bf16 where native)…")
+    ceil_precisions = (["fp32", "fp16", "bf16"] if args.device.startswith("cuda") else
+                       ["fp32", *(["bf16"] if "bf16" in _native_reduced() else [])])
+    ceiling_start = {p: measure_ceiling(model, ceil_texts, ceil_sizes, raw_s, p) for p in ceil_precisions}
     ref = model.encode(check_texts, show_progress_bar=False)
     lens = [len(t) for t in model.tokenizer(texts)["input_ids"]]
 
@@ -499,8 +632,12 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         user = [(k, n) for k, n, _ in runs if n in USER_ROUTES]
         if user:
+            # `--precision fp32,auto`: the user's path once per precision (auto: the fleet file as it is).
+            # `auto:old` / `fp32:old`: the same with the worker's pre-issue-27 batching, for a before/after in one run.
+            user_precisions = [None if p in (None, "auto") else p for p in precisions]
             systems.update(run_user_path(work, [n for _, n in user], args.threads, model, texts, raw_start, ref,
-                                         concurrencies, point_s, warmup_s, raw_s, args.profile))
+                                         concurrencies, point_s, warmup_s, raw_s, args.profile,
+                                         user_precisions, args.rounds))
         for key, name, precision in runs:
             if name in USER_ROUTES:
                 continue
@@ -510,11 +647,11 @@ def main(argv: list[str] | None = None) -> int:
             say(f"{key}: starting…")
             try:
                 if name in SECURITY:
-                    c = start_lorafleet(work, profile, threads, name, precision or "auto")
+                    c = start_lorafleet(work, profile, threads, name, precision or "auto", args.device)
                 elif name == "naive":
                     c = start_naive(work, model_dir, threads)
                 else:
-                    c = start_infinity(work, model_dir, args.infinity_batch_size, threads)
+                    c = start_infinity(work, model_dir, args.infinity_batch_size, threads, precision)
             except Exception as exc:  # a contender that cannot run is reported, not fatal
                 say(f"{key}: could not start: {exc}")
                 systems[key] = {"error": f"could not start: {exc}"}
@@ -530,6 +667,7 @@ def main(argv: list[str] | None = None) -> int:
                     entry["precision"] = precision or "auto"
                 if name == "infinity":
                     entry["batch_size"] = args.infinity_batch_size
+                    entry["dtype"] = precision or "its default"
                 if cos <= COSINE_MIN:
                     entry["error"] = f"embeddings differ from raw encode (min cosine {cos:.5f} ≤ {COSINE_MIN})"
                     say(f"  {name}: {entry['error']}; not timed")
@@ -543,8 +681,10 @@ def main(argv: list[str] | None = None) -> int:
                 c.stop()
     say("raw in-process encode again (drift check)…")
     raw_end = measure_raw(model, texts, [raw_start["best_batch"]], raw_s)
+    ceiling_end = {p: measure_ceiling(model, ceil_texts, [c["best_batch"]], raw_s, p) for p, c in ceiling_start.items()}
     result: dict[str, Any] = {
         "benchmark": "serve", "when": stamp(), "quick": quick, "machine": {**info, "loadavg_end": loadavg()},
+        "device": args.device,
         "model": MODEL_NAME, "torch_threads": torch.get_num_threads(),
         "threads_note": ("raw encode at torch's default threads; the user's path as `lorafleet up` plans them"
                          if not args.threads else f"{args.threads} for raw encode and every contender"),
@@ -553,9 +693,16 @@ def main(argv: list[str] | None = None) -> int:
         "load": {"kind": "closed loop", "concurrency": concurrencies, "point_s": point_s, "warmup_s": warmup_s,
                  "generator": "lorafleet.tune.loadgen (raw asyncio HTTP/1.1 keep-alive, uvloop)"},
         "raw": {"start": raw_start, "end": raw_end},
+        # The ceiling ratios use the mean of start and end (the user's path runs between them).
+        "ceiling": {"start": ceiling_start, "end": ceiling_end,
+                    "description": "encode(all sentences, batch_size=b): sorted by length, best batch"},
         "systems": systems,
     }
-    result["summary"] = summarise(raw_start, {k: v for k, v in systems.items() if "points" in v})
+    result["summary"] = summarise(raw_start, {k: v for k, v in systems.items() if "points" in v},
+                                  ceiling={p: round((c["best_sentences_per_s"] + ceiling_end[p]["best_sentences_per_s"])
+                                                    / 2, 1) for p, c in ceiling_start.items()},
+                                  ceiling_per_cpu_s={p: c["best_per_cpu_s"] for p, c in ceiling_start.items()
+                                                     if c.get("best_per_cpu_s")})
     result["wall_s"] = round(time.monotonic() - t_start, 1)
     write_json(args.out, result)
     print_table(result)

@@ -18,8 +18,11 @@ def _refs(raw: dict[str, Any], sysres: dict[str, Any]) -> tuple[float, float | N
     return raw["best_sentences_per_s"], raw.get("batch1_p50_ms")
 
 
-def summarise(raw: dict[str, Any], systems: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Ratios against raw encode measured right before each system (the machine drifts), and the targets."""
+def summarise(raw: dict[str, Any], systems: dict[str, dict[str, Any]],
+              ceiling: dict[str, float] | None = None,
+              ceiling_per_cpu_s: dict[str, float] | None = None) -> dict[str, Any]:
+    """Ratios against raw encode measured right before each system (the machine drifts), and the targets.
+    `ceiling`: sentences/s of the sorted ceiling (encode over all sentences) per precision, for issue 27's targets."""
     out: dict[str, Any] = {"raw_best_batch": raw["best_batch"], "raw_best_sentences_per_s": raw["best_sentences_per_s"],
                            "raw_batch1_p50_ms": raw.get("batch1_p50_ms")}
     pts_of = {name: {int(p["level"]): p for p in s.get("points", [])} for name, s in systems.items()}
@@ -68,8 +71,82 @@ def summarise(raw: dict[str, Any], systems: dict[str, dict[str, Any]]) -> dict[s
                 }
             targets["lorafleet_ge_infinity_at_le_p99"] = {"per_concurrency": per_c,
                                                           "met": all(v["met"] for v in per_c.values())}
+    if ceiling:
+        out["ceiling_sentences_per_s"] = ceiling
+        for name in pts_of:
+            if pts_of[name]:
+                out[name]["ratio_to_ceiling"] = {p: {str(c): round(pt["throughput_rps"] / v, 3)
+                                                     for c, pt in pts_of[name].items()} for p, v in ceiling.items()}
+        targets.update(precision_targets(ceiling, pts_of))
+    # On a shared machine each process gets a share of the cores: requests per CPU second of the whole serving path
+    # (worker + gateway + nats-server, as sampled per point) against the ceiling's sentences per CPU second.
+    for name, pts in pts_of.items():
+        per_core = {str(c): round(p["throughput_rps"] / sum(p["cores_used"].values()), 1)
+                    for c, p in pts.items() if p.get("cores_used") and sum(p["cores_used"].values()) > 0}
+        if per_core:
+            out[name]["rps_per_cpu_s"] = per_core
+            if ceiling_per_cpu_s:
+                out[name]["per_cpu_s_ratio_to_ceiling"] = {
+                    p: {c: round(v / ref, 3) for c, v in per_core.items()} for p, ref in ceiling_per_cpu_s.items()}
+    if ceiling_per_cpu_s:
+        out["ceiling_per_cpu_s"] = ceiling_per_cpu_s
+    auto_cpu = out.get("openai-base64", {}).get("rps_per_cpu_s", {}).get("32")
+    fp32_cpu = out.get("openai-base64@fp32", {}).get("rps_per_cpu_s", {}).get("32")
+    if auto_cpu and ceiling_per_cpu_s and ceiling_per_cpu_s.get("fp32"):
+        r = round(auto_cpu / ceiling_per_cpu_s["fp32"], 3)
+        targets["per_cpu_s_auto_base64_ge_2.0x_fp32_ceiling_at_c32"] = {"ratio": r, "met": r >= 2.0}
+    if auto_cpu and fp32_cpu:
+        r = round(auto_cpu / fp32_cpu, 3)
+        targets["per_cpu_s_auto_base64_ge_1.9x_fp32_cluster_at_c32"] = {"ratio": r, "met": r >= 1.9}
     out["targets"] = targets
     return out
+
+
+# Issue 27: the user's path at `precision: auto` (c=32, base64) against the fp32 sorted ceiling and the fp32 cluster;
+# lorafleet at its tuned precision against infinity-emb at its best CPU setting.
+PRECISION_C32 = {"ceiling": 2.0, "fp32_cluster": 1.9, "infinity": 1.5}
+
+
+def _rps(pts_of: dict[str, dict[int, dict[str, Any]]], name: str, level: int = 32) -> float | None:
+    p = pts_of.get(name, {}).get(level)
+    return p["throughput_rps"] if p else None
+
+
+def precision_targets(ceiling: dict[str, float], pts_of: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
+    targets: dict[str, Any] = {}
+    auto, fp32 = _rps(pts_of, "openai-base64"), _rps(pts_of, "openai-base64@fp32")
+    if auto is not None and ceiling.get("fp32"):
+        r = round(auto / ceiling["fp32"], 3)
+        need = PRECISION_C32["ceiling"]
+        targets[f"auto_base64_ge_{need}x_fp32_ceiling_at_c32"] = {"ratio": r, "met": r >= need}
+    old = _rps(pts_of, "openai-base64@auto:old")
+    if auto is not None and old:
+        targets["auto_base64_against_pre_issue27_worker_at_c32"] = {"ratio": round(auto / old, 3),
+                                                                    "met": auto >= old}
+    if auto is not None and fp32:
+        r = round(auto / fp32, 3)
+        need = PRECISION_C32["fp32_cluster"]
+        targets[f"auto_base64_ge_{need}x_fp32_cluster_at_c32"] = {"ratio": r, "met": r >= need}
+    infinity = {n: v for n in pts_of if n.split("@")[0].split("#")[0] == "infinity"
+                if (v := _rps(pts_of, n)) is not None}
+    ours = {n: v for n in pts_of if n.split("#")[0] in ("lorafleet", "lorafleet@auto", "openai-base64")
+            if (v := _rps(pts_of, n)) is not None}
+    if infinity and ours:
+        best_inf = max(infinity, key=lambda n: infinity[n])
+        mine = next(n for n in ("lorafleet@auto", "lorafleet", "openai-base64") if n in ours)
+        r = round(ours[mine] / infinity[best_inf], 3)
+        need = PRECISION_C32["infinity"]
+        targets[f"tuned_ge_{need}x_best_infinity_at_c32"] = {"ratio": r, "lorafleet": mine, "infinity": best_inf,
+                                                             "met": r >= need}
+        per_cpu = {n: pts_of[n][32]["throughput_rps"] / sum(pts_of[n][32]["cores_used"].values())
+                   for n in (mine, *infinity) if sum(pts_of[n][32].get("cores_used", {}).values()) > 0}
+        inf_cpu = {n: v for n, v in per_cpu.items() if n in infinity}
+        if mine in per_cpu and inf_cpu:
+            best_cpu = max(inf_cpu, key=lambda n: inf_cpu[n])
+            r = round(per_cpu[mine] / inf_cpu[best_cpu], 3)
+            targets[f"per_cpu_s_tuned_ge_{need}x_best_infinity_at_c32"] = {"ratio": r, "infinity": best_cpu,
+                                                                           "met": r >= need}
+    return targets
 
 
 # Issue 19: the user's path at c=32 against raw best-batch encode, and its c=1 p50 against a raw batch-1 call.
@@ -148,6 +225,25 @@ def print_table(result: dict[str, Any]) -> None:
         if v.get("c1_p50_minus_naive_c1_ms") is not None:
             line += f"; c=1 p50 − naive c=1 p50 = {v['c1_p50_minus_naive_c1_ms']:+.2f} ms"
         print(line)
+    if s.get("ceiling_sentences_per_s"):
+        ceil = s["ceiling_sentences_per_s"]
+        print("sorted ceiling (encode over all sentences, mean of start and end): "
+              + ", ".join(f"{p} {v:.1f} sentences/s" for p, v in ceil.items()))
+        for name in result["systems"]:
+            r = s.get(name, {}).get("ratio_to_ceiling")
+            if r:
+                print(f"  {name}: × ceiling " + "; ".join(f"{p}: " + ", ".join(f"c={c} {v:.2f}" for c, v in byc.items())
+                                                         for p, byc in r.items()))
+    if s.get("ceiling_per_cpu_s"):
+        print("per CPU second (shared machine): ceiling " + ", ".join(f"{p} {v:.1f} sentences" for p, v in
+                                                                      s["ceiling_per_cpu_s"].items()))
+        for name in result["systems"]:
+            v = s.get(name, {})
+            if v.get("rps_per_cpu_s"):
+                print(f"  {name}: " + ", ".join(f"c={c} {x:.1f} requests" for c, x in v["rps_per_cpu_s"].items())
+                      + "; × ceiling per CPU second " + "; ".join(
+                          f"{p}: " + ", ".join(f"{r:.2f}" for r in byc.values())
+                          for p, byc in v.get("per_cpu_s_ratio_to_ceiling", {}).items()))
     for tname, t in s["targets"].items():
         print(f"target {tname}: {'MET' if t['met'] else 'MISSED'}  "
               f"{ {k: v for k, v in t.items() if k not in ('met', 'per_concurrency')} or ''}")

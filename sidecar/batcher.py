@@ -11,7 +11,7 @@ size, items × longest item, because that is what the model computes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -159,3 +159,32 @@ def _tighten(limits: ServingProfile, other: ServingProfile) -> ServingProfile:
     if (limits.max_batch_items, limits.max_batch_tokens) == (cap, budget):
         return limits
     return limits.model_copy(update={"max_batch_items": cap, "max_batch_tokens": budget})
+
+
+def padding_cuts(lengths: Sequence[int], overhead_tokens: float) -> list[int]:
+    """Where to cut `lengths` (sorted ascending) into forward passes: the end index of each pass.
+
+    A pass costs its padded size (items × longest) plus `overhead_tokens`, the fixed cost of one forward pass
+    expressed in padded tokens; the cuts minimise the total (dynamic programming over the sorted list, n² steps for
+    the few dozen rows of a batch). With no overhead every distinct length would go alone; with a large one
+    nothing is cut. A pulled window of arrivals is padded to its longest item, so cutting it where lengths jump
+    saves what the length-sorted ceiling saves.
+    """
+    n = len(lengths)
+    if n <= 1:
+        return [n] if n else []
+    toks = [max(int(t), 1) for t in lengths]
+    best = [0.0] + [float("inf")] * n  # best[j]: the cheapest way to compute the first j rows
+    prev = [0] * (n + 1)
+    for j in range(1, n + 1):
+        longest = toks[j - 1]  # sorted: the last row of a pass is its longest
+        for i in range(j):
+            cost = best[i] + (j - i) * longest + overhead_tokens
+            if cost < best[j]:
+                best[j], prev[j] = cost, i
+    cuts: list[int] = []
+    j = n
+    while j > 0:
+        cuts.append(j)
+        j = prev[j]
+    return cuts[::-1]

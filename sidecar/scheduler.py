@@ -4,7 +4,10 @@ One loop over every base's consumer: a free slot goes to the base whose waiting 
 A loop per base would let a base with an empty queue sit on a slot while another base has a
 backlog. Each base keeps one open fetch(1) (its waiter) across cycles; a slot fills one batch,
 from the base whose head task is oldest, so a worker never holds full batches of several bases at
-once (tasks that an idle peer could serve). A head that lands while the worker is busy waits, held
+once (tasks that an idle peer could serve). With `SORT_WINDOW_BATCHES` above 1 (LORAFLEET_SORT_WINDOW; off by
+default), a pull takes up to that many batches' worth of a backlog (never waiting for more) and sorts the
+window by length before cutting batches; a worker with a batch-time budget (`max_batch_ms`) keeps to one.
+A head that lands while the worker is busy waits, held
 and kept alive, for the next free slot. A slot is one batch queued or computing here; it frees
 when the main thread posts the batch's outcome back. Rows whose adapter is still being downloaded
 leave their batch and hold no slot while they wait (compute.py); they take one again when the
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -34,6 +38,18 @@ from lorafleet.sidecar.service_rate import ServiceRate
 from lorafleet.sidecar.settle import HeldTable, Settlement, Settler
 
 log = logging.getLogger(__name__)
+
+# How many batches' worth of backlog one pull may sort together before cutting batches (issue 27: arrivals in
+# queue order pad each other to their longest). Off (1) by default: on a 2-vCPU machine at load 15–25, a window of
+# 2 served within the round-to-round spread of one batch per pull at c=32 (docs/benchmarks.md §1b), so it is not
+# worth committing twice the tasks to one worker until a quiet machine shows a gain. LORAFLEET_SORT_WINDOW=2
+# turns it on (bench/serve.py's `auto:old` / `auto:nocuts` variants compare).
+SORT_WINDOW_BATCHES = max(1, int(os.environ.get("LORAFLEET_SORT_WINDOW", "1")))
+
+
+def pull_window(cap: int, max_batch_ms: float | None) -> int:
+    """The most tasks one pull takes: `cap` (one batch) under a batch-time budget, else SORT_WINDOW_BATCHES × cap."""
+    return cap if max_batch_ms is not None else cap * SORT_WINDOW_BATCHES  # read per call: tests may set it
 
 
 def stream_seq(msg: Any) -> int:
@@ -103,11 +119,14 @@ class PullScheduler:
             cap = caps[base]
             if profile.max_batch_ms is not None:
                 cap = self.batch_times[base].max_items(profile.max_batch_ms / 1000.0, cap)
+            window = pull_window(cap, profile.max_batch_ms)
+            msgs = [first]  # fill extends it in place: what a failed fetch left behind is batched all the same
             try:
-                msgs = await fill(self.psubs[base], [first], cap, wait_ms)
-            except Exception as exc:  # the first message is held: it still gets batched below
+                await fill(self.psubs[base], msgs, cap, wait_ms)
+                if cap <= len(msgs) < window:  # a full batch and maybe a backlog: take it, without waiting for more
+                    await fill(self.psubs[base], msgs, window, 0.0)
+            except Exception as exc:
                 self.on_pull_error(base, exc)
-                msgs = [first]
             self._arrivals.observe(len(msgs), now)
             pulled = await self.admit(base, msgs)
             batches = form_batches(pulled, self.profile_for, self.mixed_bases, self.max_batch_adapters)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
+import time
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -35,6 +37,8 @@ from lorafleet.precision import (
     pinned_auto,
     supported_precisions,
 )
+from lorafleet.sidecar.batcher import padding_cuts
+from lorafleet.sidecar.pull import BatchTime
 from lorafleet.sidecar.runtime import AdapterWeights, Runtime
 from lorafleet.wire import EMBED
 
@@ -43,6 +47,14 @@ log = logging.getLogger(__name__)
 BASE_ROW = "__base__"  # peft's name for a row on the bare base in a mixed batch
 # peft raises these for adapters that do not fit this base (wrong target modules, shapes).
 _UNFIT = (ValueError, KeyError, TypeError)
+# A forward pass's fixed cost in padded tokens, until the runtime has fitted its own (time = a + b·padded tokens),
+# and the least it may count: at bf16 a smaller pass also computes less efficiently (issue 27: passes cut at 24
+# tokens served no faster than one pass per batch), so only real jumps in length (short queries beside long
+# passages) are cut. Clamped, since a fit on a shared machine can swing.
+DEFAULT_PASS_OVERHEAD_TOKENS = 128.0
+PASS_OVERHEAD_RANGE = (64.0, 4096.0)
+# For side-by-side benchmarks: LORAFLEET_PASS_CUTS=0 runs each batch in one forward pass, as before issue 27.
+PASS_CUTS = os.environ.get("LORAFLEET_PASS_CUTS", "1") != "0"
 
 
 def set_precision(model: Any, precision: str) -> None:
@@ -110,6 +122,7 @@ class SentenceTransformerRuntime(Runtime):
         self._lora_modules: list[Any] | None = None  # the layers that take adapter_names; None = find them again
         self._unmixable: set[str] = set()  # loaded adapters peft cannot mix by rows (not plain LoRA, DoRA)
         self._slots = LoraSlots(model.transformers_model)  # adds and removes adapters in constant time
+        self._pass_time = BatchTime()  # seconds of one forward pass against its padded tokens: its fixed cost
         log.info("loaded base %s from %s on %s (dim %d, max_seq_length %s, normalized %s, precision %s)",
                  spec.name, source, device, self._dim, model.max_seq_length, self.normalized, self.precision)
 
@@ -155,7 +168,39 @@ class SentenceTransformerRuntime(Runtime):
         return self._dim
 
     def _raw_encode(self, texts: list[str]) -> np.ndarray:
-        return self._encode_with(self.model, texts)
+        """Encode a batch in forward passes cut where lengths jump (batcher.padding_cuts): a batch of arrivals is
+        otherwise padded to its longest row, which the length-sorted ceiling never pays."""
+        if len(texts) < 3 or not PASS_CUTS or not hasattr(self, "_pass_time"):  # the dimension probe: no fit yet
+            return self._encode_with(self.model, texts)
+        lengths = self._token_lengths(texts)
+        order = sorted(range(len(texts)), key=lengths.__getitem__)
+        cuts = padding_cuts([lengths[i] for i in order], self._pass_overhead())
+        parts: list[np.ndarray] = []
+        start = 0
+        for end in cuts:
+            rows = order[start:end]
+            t0 = time.perf_counter()
+            parts.append(self._encode_with(self.model, [texts[i] for i in rows]))
+            self._pass_time.observe(len(rows) * lengths[rows[-1]], time.perf_counter() - t0)
+            start = end
+        if len(parts) == 1:
+            return parts[0][np.argsort(order)]
+        out = np.empty((len(texts), parts[0].shape[1]), dtype=np.float32)
+        out[order] = np.concatenate(parts)
+        return out
+
+    def _token_lengths(self, texts: list[str]) -> list[int]:
+        # The lengths the model will see (special tokens, truncation); a fast tokenizer does a batch in well under
+        # a millisecond, next to tens of milliseconds of compute.
+        ids = self.model.tokenizer(texts, truncation=True, max_length=self.model.max_seq_length)["input_ids"]
+        return [len(x) for x in ids]
+
+    def _pass_overhead(self) -> float:
+        """A forward pass's fixed cost in padded tokens, measured (a/b of the fit) once passes of several sizes ran."""
+        fit = self._pass_time.coefficients()
+        if fit is None or fit[0] <= 0.0 or fit[1] <= 0.0:
+            return DEFAULT_PASS_OVERHEAD_TOKENS
+        return min(max(fit[0] / fit[1], PASS_OVERHEAD_RANGE[0]), PASS_OVERHEAD_RANGE[1])
 
     def _encode_with(self, model: Any, texts: list[str]) -> np.ndarray:
         import torch
