@@ -108,6 +108,12 @@ class CanarySpec(StrictModel):
     watch_until: float | None = None
 
 
+class ShadowSpec(CanarySpec):
+    """A shadow of a promoted name (issue 25, part 5): `percent` of the plain name's requests are also sent to this
+    version; clients only ever get the champion's answer, the copy's is compared with it and discarded. Generative
+    and rerank names only. Written by `promote --shadow`, removed by `--finish`/`--abort` (registry/shadow.py)."""
+
+
 class FleetEntry(StrictModel):
     """What the fleet should serve under one name."""
 
@@ -131,10 +137,11 @@ class FleetEntry(StrictModel):
     retained: list[RetainedVersion] = Field(default_factory=list)
     retired: list[str] = Field(default_factory=list)
     canary: CanarySpec | None = None  # a version taking part of the plain name's traffic (promote --canary)
+    shadow: ShadowSpec | None = None  # a version getting copies of part of the traffic (promote --shadow)
 
     def to_bytes(self) -> bytes:
-        # Without retention/canary keys when empty: such an entry stays readable by older processes.
-        empty = {k for k in ("retained", "retired", "canary") if not getattr(self, k)}
+        # Without retention/canary/shadow keys when empty: such an entry stays readable by older processes.
+        empty = {k for k in ("retained", "retired", "canary", "shadow") if not getattr(self, k)}
         return self.model_dump_json(exclude=empty or None).encode()
 
     @classmethod
@@ -153,15 +160,18 @@ class FleetEntry(StrictModel):
             "version": kept.version, "kind": kept.kind, "system_prompt": kept.system_prompt,
             "chat_template": kept.chat_template, "generation": kept.generation, "retained": [], "retired": []})
 
-    def canary_as_entry(self) -> FleetEntry | None:
-        """The canary as the live entry it would be (what a gateway routes its share and NAME@N by)."""
-        c = self.canary
+    def canary_as_entry(self, c: CanarySpec | None = None) -> FleetEntry | None:
+        """The canary (or the spec `c`: the shadow) as the live entry it would be (what a gateway routes by)."""
+        c = self.canary if c is None else c
         if c is None:
             return None
         return self.model_copy(update={
             "base": c.base, "adapter_id": c.adapter_id, "adapter_uri": c.adapter_uri, "profile": c.profile,
             "version": c.version, "kind": c.kind, "system_prompt": c.system_prompt, "chat_template": c.chat_template,
-            "generation": c.generation, "retained": [], "retired": [], "canary": None})
+            "generation": c.generation, "retained": [], "retired": [], "canary": None, "shadow": None})
+
+    def shadow_as_entry(self) -> FleetEntry | None:
+        return self.canary_as_entry(self.shadow) if self.shadow is not None else None
 
 
 def canary_spec(candidate: FleetEntry, percent: float, now: float | None = None) -> CanarySpec:
@@ -198,6 +208,11 @@ def refuse_during_canary(entry: FleetEntry | None) -> None:
 
 def canary_in_progress(entry: FleetEntry | None) -> str | None:
     """Why a promote or rollback of `entry.name` must wait (a canary holds the name), or None."""
+    if entry is not None and entry.shadow is not None:
+        sh = entry.shadow
+        return (f"a shadow of {entry.name} is in progress (v{sh.version} gets copies of {sh.percent:g} % of its "
+                f"requests, champion v{entry.version}); nothing changed. End it first: `lorafleet promote "
+                f"{entry.name} --finish` or `--abort`")
     if entry is None or entry.canary is None:
         return None
     c = entry.canary
@@ -301,8 +316,10 @@ def by_adapter_id(entries: Iterable[FleetEntry]) -> dict[str, ServedModel]:
             out[kept.adapter_id] = ServedModel(name=f"{e.name}@{kept.version}", base=kept.base,
                                                adapter=kept.adapter_uri, adapter_id=kept.adapter_id,
                                                profile=kept.profile)
-        if (canary := e.canary_as_entry()) is not None:
-            out[canary.adapter_id] = canary.served_model().model_copy(update={"name": f"{e.name}@{canary.version}"})
+        for canary in (e.canary_as_entry(), e.shadow_as_entry()):
+            if canary is not None:
+                out[canary.adapter_id] = canary.served_model().model_copy(
+                    update={"name": f"{e.name}@{canary.version}"})
         out[e.adapter_id] = e.served_model()
     return out
 

@@ -197,19 +197,28 @@ class VersionCounts:
     requests: int = 0
     errors: int = 0
     buckets: tuple[int, ...] = (0,) * (len(STATS_BUCKETS) + 1)
+    empty: int = 0  # generative answers with no text (stopped or cut at max_tokens before any): `--watch` compares
 
     def __add__(self, other: VersionCounts) -> VersionCounts:
         return VersionCounts(self.requests + other.requests, self.errors + other.errors,
-                             tuple(a + b for a, b in zip(self.buckets, other.buckets, strict=True)))
+                             tuple(a + b for a, b in zip(self.buckets, other.buckets, strict=True)),
+                             self.empty + other.empty)
 
     def __sub__(self, other: VersionCounts) -> VersionCounts:
         return VersionCounts(self.requests - other.requests, self.errors - other.errors,
-                             tuple(a - b for a, b in zip(self.buckets, other.buckets, strict=True)))
+                             tuple(a - b for a, b in zip(self.buckets, other.buckets, strict=True)),
+                             self.empty - other.empty)
 
     def lower_than(self, other: VersionCounts) -> bool:
         """A counter went down: the gateway restarted (its counters start again at 0)."""
-        return self.requests < other.requests or self.errors < other.errors or any(
+        return self.requests < other.requests or self.errors < other.errors or self.empty < other.empty or any(
             a < b for a, b in zip(self.buckets, other.buckets, strict=True))
+
+    @property
+    def empty_rate(self) -> float:
+        """Empty answers per successful answer."""
+        ok = self.requests - self.errors
+        return self.empty / ok if ok > 0 else 0.0
 
     @property
     def error_rate(self) -> float:
@@ -246,15 +255,16 @@ class GatewayStats:
 
     def to_wire(self) -> bytes:
         return pack({"v": 1, "gateway": self.gateway, "ts": self.ts,
-                     "versions": [[m, v, c.requests, c.errors, list(c.buckets)]
+                     "versions": [[m, v, c.requests, c.errors, list(c.buckets), c.empty]
                                   for (m, v), c in sorted(self.versions.items())]})
 
     @classmethod
     def from_wire(cls, data: bytes) -> GatewayStats:
         try:
             d = unpack(data)
-            versions = {(str(m), str(v)): VersionCounts(int(r), int(e), tuple(int(b) for b in bs))
-                        for m, v, r, e, bs in d["versions"]}
+            versions = {(str(row[0]), str(row[1])): VersionCounts(  # an older gateway sends no empty count
+                int(row[2]), int(row[3]), tuple(int(b) for b in row[4]), int(row[5]) if len(row) > 5 else 0)
+                for row in d["versions"]}
             if any(len(c.buckets) != len(STATS_BUCKETS) + 1 for c in versions.values()):
                 raise ValueError("latency buckets differ from STATS_BUCKETS")
             return cls(str(d["gateway"]), versions, float(d.get("ts", 0.0)))

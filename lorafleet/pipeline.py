@@ -25,7 +25,6 @@ from typing import Any
 
 from lorafleet import settings, wire
 from lorafleet.config import ServingProfile
-from lorafleet.models import base_name_for
 from lorafleet.refs import parse_ref
 from lorafleet.registry import store
 from lorafleet.registry.bundle import ADAPTER_DIR, BUNDLE_FILE, read_spec
@@ -174,7 +173,8 @@ def ship(result: ResearchResult, *, name: str | None = None, tune: bool = True, 
     if quality is not None:
         details[PRECISION_QUALITY] = quality
     ref = register_bundle(
-        name, adapter_dir, base_source=base_source, profile=profile, profile_source=profile_source,
+        name, adapter_dir, base_source=base_source, base_name=kind.base_name(cfg), profile=profile,
+        profile_source=profile_source,
         metrics={**result.baseline, **result.winner_metrics}, dataset_digest=result.dataset_digest,
         report_paths=reports, max_seq_length=details.pop("max_seq_length", None), run_id=result.parent_run_id,
         alias=CANDIDATE, description=result.verdict or None, task=kind.name, kind=kind.bundle_kind,
@@ -196,8 +196,8 @@ def precision_quality(quality: list[Any], precision: str | None) -> dict[str, An
 def winner_tune_source(result: ResearchResult, name: str | None = None, *, say: Say | None = None) -> TuneSource:
     """What `ship` tunes: the winner's adapter on its base, with the dev set of its config for the precision guard."""
     kind = get_task_kind(result.task)
-    base_source = kind.base_source(kind.parse_config(result.winner_config, source="the winner's configuration"))
-    return TuneSource(Path(str(result.winner_adapter_dir)), base_source, base_name_for(base_source), None,
+    cfg = kind.parse_config(result.winner_config, source="the winner's configuration")
+    return TuneSource(Path(str(result.winner_adapter_dir)), kind.base_source(cfg), kind.base_name(cfg), None,
                       name or result.study, dev=dev_set_for(result.task, result.winner_config, say=say))
 
 

@@ -223,6 +223,12 @@ class TaskKind(ABC):
     def base_source(self, cfg: Any) -> str:
         return str(cfg.base_model)
 
+    def base_name(self, cfg: Any) -> str:
+        """The fleet base a bundle of this kind runs on (bundle.yaml `base.name`, what promotion looks for)."""
+        from lorafleet.models import base_name_for
+
+        return base_name_for(self.base_source(cfg))
+
     @abstractmethod
     def build_dataset(self, cfg: Any) -> TaskDataset: ...
 

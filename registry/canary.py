@@ -151,6 +151,8 @@ def start(name: str, version: str | int | None, percent: float, *, force: bool =
                         raise CanaryError(f"{name}: the registry and the fleet disagree ({state.describe()}); "
                                           f"run `lorafleet registry check {name} --repair` first")
                     CanaryState.of(name, state.entry).start(info.version, percent)
+                    if state.entry is not None and state.entry.shadow is not None:  # one experiment at a time
+                        raise CanaryError(str(canary_in_progress(state.entry)))
                     gate = await asyncio.to_thread(_gate_or_refuse, info, state.champion, margin, force)
                     _, spec = await asyncio.to_thread(store.bundle_spec, info.name, info.version)
                     if spec.base.name not in bases:

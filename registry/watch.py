@@ -3,8 +3,9 @@
 Every gateway publishes, with its presence, cumulative per-version counters (requests, 5xx errors, a latency
 histogram on fixed buckets: lorafleet.heartbeats.GatewayStats). The watcher sums each gateway's deltas since the
 watch began, so it judges the whole fleet's traffic, and compares the candidate with the champion by a pure
-function (`judge`): an error rate higher by more than `max_error_increase` (absolute), or a p99 above the
-champion's × `max_p99_ratio`, once the candidate has `min_requests`, aborts the canary at once with the reason;
+function (`judge`): an error rate higher by more than `max_error_increase` (absolute), a p99 above the
+champion's × `max_p99_ratio`, or (generative) a rate of empty answers higher by more than `max_empty_increase`,
+once the candidate has `min_requests`, aborts the canary at once with the reason;
 a window that ends without a failure finishes it (the candidate becomes champion through promote's path). Too
 little traffic on either side to judge leaves the canary as it is and says so.
 
@@ -46,6 +47,8 @@ class Margins:
     max_error_increase: float = 0.01  # absolute: 0.01 = one percentage point above the champion's error rate
     max_p99_ratio: float = 1.5  # candidate p99 may be up to 1.5 × the champion's
     min_requests: int = 20  # per side, before a comparison counts
+    # absolute: generative answers with no text (stopped or cut at max_tokens before any) per successful answer
+    max_empty_increase: float = 0.05
 
     def __post_init__(self) -> None:
         if not 0 <= self.max_error_increase < 1:
@@ -55,6 +58,9 @@ class Margins:
             raise canary.CanaryError(f"--max-p99-ratio {self.max_p99_ratio}: must be 1 or more")
         if self.min_requests < 1:
             raise canary.CanaryError(f"--min-requests {self.min_requests}: must be 1 or more")
+        if not 0 <= self.max_empty_increase < 1:
+            raise canary.CanaryError(f"--max-empty-increase {self.max_empty_increase}: must be at least 0 and below "
+                                     "1 (a fraction: 0.05 is five percentage points)")
 
 
 @dataclass(frozen=True)
@@ -92,8 +98,18 @@ def judge(champion: VersionCounts, candidate: VersionCounts, margins: Margins) -
     if p99c > p99k * margins.max_p99_ratio:
         return Verdict("fail", f"p99 {_secs(p99c)} against the champion's {_secs(p99k)}; allowed: "
                                f"{margins.max_p99_ratio:g} ×")
+    # Generative answers with no text: a template that breaks on real prompts answers 200 with nothing in it.
+    if candidate.empty_rate > champion.empty_rate + margins.max_empty_increase:
+        return Verdict("fail", f"empty answers {_pct(candidate.empty_rate)} ({candidate.empty} of "
+                               f"{candidate.requests - candidate.errors}) against the champion's "
+                               f"{_pct(champion.empty_rate)} ({champion.empty} of "
+                               f"{champion.requests - champion.errors}); allowed: "
+                               f"{_pct(margins.max_empty_increase)} more")
+    empty = (f", empty answers {_pct(candidate.empty_rate)} vs {_pct(champion.empty_rate)}"
+             if candidate.empty or champion.empty else "")
     return Verdict("pass", f"error rate {_pct(candidate.error_rate)} vs {_pct(champion.error_rate)}, p99 "
-                           f"{_secs(p99c)} vs {_secs(p99k)} over {candidate.requests} + {champion.requests} requests")
+                           f"{_secs(p99c)} vs {_secs(p99k)}{empty} over {candidate.requests} + {champion.requests} "
+                           "requests")
 
 
 @dataclass

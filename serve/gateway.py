@@ -46,6 +46,7 @@ from lorafleet.serve.pending import COMPLETE, DUPLICATE, FILLED, LATE, MALFORMED
 from lorafleet.serve.publish import deadline_error, publish_error, publish_task, take_back
 from lorafleet.serve.queue_monitor import QueueMonitor
 from lorafleet.serve.resolver import ROUTE_KEY_HEADER, Resolver, Route, Specialist, route_key
+from lorafleet.serve.shadow import ShadowMirror
 from lorafleet.serve.textstream import TextStream
 from lorafleet.serve.tokens import TokenCounter
 from lorafleet.serve.workers import WorkerRegistry
@@ -84,6 +85,7 @@ class Gateway:
         self.monitor = QueueMonitor(fleet, self.resolver.bases, self.pending.outstanding, self._rewatch_fleet_state)
         self.metrics.watch_queue(self.resolver.bases, self.monitor.backlog, self.workers.service_rate)
         self.metrics.watch_lag(self.resolver.bases, self.monitor.lag)
+        self.shadow = ShadowMirror(self)  # copies of a shadowed name's requests to its candidate (issue 25)
         self._beacon: heartbeats.Beacon | None = None  # presence, for `lorafleet status` from any host
         # Results arrive on `_INBOX.<credential's public key>.<gateway id>.<request id>`: only this credential
         # may subscribe there (docs/security.md).
@@ -118,6 +120,7 @@ class Gateway:
 
     async def stop(self) -> None:
         await self.monitor.stop()
+        await self.shadow.stop()
         if self._beacon is not None:
             await self._beacon.stop()
         if self._fleet_watch is not None:
@@ -164,6 +167,7 @@ class Gateway:
         self._beacon = heartbeats.Beacon(nc, "gateway", self.gateway_id, self._presence_state,
                                          stats=lambda: self.metrics.version_stats(self.gateway_id))
         self._beacon.start()
+        self.shadow.start(nc)
 
     async def _presence_state(self) -> str:
         return "ready" if (await self.readiness())[0] else "not-ready"
@@ -182,6 +186,7 @@ class Gateway:
         def on_change(table: dict[str, Any]) -> None:
             self.resolver.set_models(merge_models(self.fleet.models, table.values(), self.resolver.bases),
                                      specialists(table.values()), table.values())
+            self.shadow.update(table.values())
             log.info("fleet state: serving %s", ", ".join(self.resolver.served_names()))
 
         try:

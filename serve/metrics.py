@@ -81,15 +81,16 @@ class GatewayMetrics:
         self._request_children: dict[tuple[str, str, int], tuple[Any, Any]] = {}
         self._result_children: dict[str, tuple[Any, Any]] = {}
         self._published_children: dict[str, Any] = {}
+        self.published_total: dict[str, int] = {}  # tasks published per base, as a plain int (no registry lock)
         self._version_children: dict[tuple[str, str, int], tuple[Any, Any, Any]] = {}
         # The same per-version figures as plain counters, published over NATS for `promote --watch`, which sums
         # them over all gateways: [requests, errors, latency bucket counts...] per (model, version).
         self._version_counts: dict[tuple[str, str], list[int]] = {}
 
     def request_done(self, route: str, model: str, code: int, seconds: float, version: str | None = None,
-                     tokens: int = 0) -> None:
+                     tokens: int = 0, empty: bool = False) -> None:
         if version is not None:
-            self.version_done(model, version, code, seconds, tokens)
+            self.version_done(model, version, code, seconds, tokens, empty)
         key = (route, model, code)
         children = self._request_children.get(key)
         if children is None:
@@ -98,7 +99,8 @@ class GatewayMetrics:
         children[0].inc()
         children[1].observe(seconds)
 
-    def version_done(self, model: str, version: str, code: int, seconds: float, tokens: int = 0) -> None:
+    def version_done(self, model: str, version: str, code: int, seconds: float, tokens: int = 0,
+                     empty: bool = False) -> None:
         key = (model, version, code)
         children = self._version_children.get(key)
         if children is None:
@@ -109,8 +111,10 @@ class GatewayMetrics:
         children[1].observe(seconds)
         counts = self._version_counts.get((model, version))
         if counts is None:
-            counts = self._version_counts[(model, version)] = [0] * (len(STATS_BUCKETS) + 3)
+            counts = self._version_counts[(model, version)] = [0] * (len(STATS_BUCKETS) + 4)
         counts[0] += 1
+        if empty:  # a generative answer with no text (issue 25: `--watch` compares their rate)
+            counts[-1] += 1
         if code >= 500:
             counts[1] += 1
         counts[2 + bucket_index(seconds)] += 1
@@ -121,7 +125,7 @@ class GatewayMetrics:
         """This gateway's cumulative per-version counters (None before any versioned request)."""
         if not self._version_counts:
             return None
-        return GatewayStats(gateway_id, {k: VersionCounts(c[0], c[1], tuple(c[2:]))
+        return GatewayStats(gateway_id, {k: VersionCounts(c[0], c[1], tuple(c[2:-1]), c[-1])
                                          for k, c in list(self._version_counts.items())})
 
     def result_received(self, base: str, queue_ms: float, batch_size: int) -> None:
@@ -133,6 +137,7 @@ class GatewayMetrics:
         children[1].observe(batch_size)
 
     def published(self, base: str, n: int) -> None:
+        self.published_total[base] = self.published_total.get(base, 0) + n  # the shadow's arrival rate (issue 25)
         child = self._published_children.get(base)
         if child is None:
             child = self._published_children[base] = self.tasks_published.labels(base)

@@ -232,8 +232,12 @@ class RerankRoutes:
             route = self.gw.resolve(req.model if req.model is not None else only_reranker(self.gw),
                                     self.gw.route_key(request))  # a canary's sticky split (issue 25)
             model, version = route.name, route.version
-            out = await score(self.gw, route, req.query, req.documents, self._deadline(request))
+            deadline_s = self._deadline(request)
+            out = await score(self.gw, route, req.query, req.documents, deadline_s)
             order = ranked(out.scores, req.top_n)
+            # a shadowed name: a copy to the candidate after this answer, compared and discarded (issue 25)
+            self.gw.shadow.reranked(route, req.model or route.name, req.query, req.documents,
+                                    ranked(out.scores, None), time.perf_counter() - t0, deadline_s)
             if req.tei:
                 body: Any = [{"index": i, "score": float(out.scores[i]),
                               **({"text": req.documents[i]} if req.return_documents else {})} for i in order]

@@ -115,7 +115,7 @@ class Routes:
     async def _generate(self, request: Request, kind: str) -> Response:
         t0 = time.perf_counter()
         name = "chat" if kind == CHAT else "completions"
-        model, version, tokens = "_invalid", None, 0
+        model, version, tokens, empty = "_invalid", None, 0, False
         try:
             self.gw.keys.check(request.headers.get("authorization"))
             body = parse_generation(await read_body(request, self.gw.cfg.max_body_bytes), kind)  # type: ignore[arg-type]
@@ -139,11 +139,14 @@ class Routes:
                 tokens = result.prompt_tokens + result.completion_tokens
                 response = Response(shaper.whole(result.text or "", result.finish_reason, result.prompt_tokens,
                                                  result.completion_tokens), media_type="application/json")
+                empty = _empty_or_truncated(result)
+                # a shadowed name: a copy to the candidate, after this answer, compared and discarded (issue 25)
+                self.gw.shadow.generated(route, body, result.text or "", time.perf_counter() - t0, deadline_s)
         except ApiError as exc:
             response = exc.response()
         except Exception:  # a bug, not the client's fault: the JSON error shape, a request id, counted
             response = internal_error(log, request.url.path)
-        self._observe(name, model, response.status_code, t0, version, tokens)
+        self._observe(name, model, response.status_code, t0, version, tokens, empty)
         return response
 
     async def _events(self, generation: Generation, shaper: Shaper, include_usage: bool, model: str,
@@ -151,18 +154,20 @@ class Routes:
         """The SSE body of a streamed generation; cancelled by Starlette when the client disconnects."""
         stream = generation.stream
         assert stream is not None
-        code, tokens = 200, 0
+        code, tokens, said = 200, 0, False
         try:
             if shaper.kind == CHAT:
                 yield shaper.event(None, role=True)
             while True:
                 event = await stream.events.get()
                 if event.kind == "delta":
+                    said = said or bool((event.text or "").strip())
                     yield shaper.event(event.text)
                 elif event.kind == "final":
                     r = event.result
                     assert r is not None
                     tokens = r.prompt_tokens + r.completion_tokens
+                    said = said or bool((r.text or "").strip())
                     yield shaper.event(None, r.finish_reason)
                     if include_usage:
                         yield shaper.usage_event(r.prompt_tokens, r.completion_tokens)
@@ -177,11 +182,12 @@ class Routes:
             raise
         finally:
             generation.close()
-            self._observe("chat" if shaper.kind == CHAT else "completions", model, code, t0, version, tokens)
+            self._observe("chat" if shaper.kind == CHAT else "completions", model, code, t0, version, tokens,
+                          code == 200 and not said)
 
     def _observe(self, route: str, model: str, code: int, t0: float, version: str | None = None,
-                 tokens: int = 0) -> None:
-        self.gw.metrics.request_done(route, model, code, time.perf_counter() - t0, version, tokens)
+                 tokens: int = 0, empty: bool = False) -> None:
+        self.gw.metrics.request_done(route, model, code, time.perf_counter() - t0, version, tokens, empty)
 
     async def models(self, request: Request) -> Response:
         try:
@@ -226,6 +232,12 @@ class Routes:
     async def metrics_endpoint(self, request: Request) -> Response:
         return Response(self.gw.metrics.render(), media_type=CONTENT_TYPE)
 
+
+
+def _empty_or_truncated(result: wire.Result) -> bool:
+    """An answer with no text, whether the model stopped or was cut at max_tokens before saying anything (issue
+    25: `promote --watch` compares the rate of such answers between a canary and its champion)."""
+    return not (result.text or "").strip()
 
 
 async def _unless_disconnected(request: Request, generation: Generation) -> wire.Result | None:

@@ -32,7 +32,7 @@ from lorafleet.device import resolve_device
 from lorafleet.metrics import prefixed
 from lorafleet.tasks import EpochCallback, MetricSpec, TaskKind, TrainResult
 from lorafleet.train.evaluate import TOP_K
-from lorafleet.train.rerank_config import RerankConfig
+from lorafleet.train.rerank_config import CE_BASE_SUFFIX, RerankConfig
 from lorafleet.train.rerank_eval import (
     FIRST,
     RerankDataset,
@@ -275,6 +275,13 @@ class RerankKind(TaskKind):
 
     def dataset_key(self, cfg: RerankConfig) -> str:
         return super().dataset_key(cfg) + f"|{cfg.max_seq_length}"  # the corpus is chunked to it
+
+    def base_name(self, cfg: RerankConfig) -> str:
+        """The cross-encoder base of the fleet (`served_base`, else `<base name>-ce`): the embedder of the same
+        checkpoint is another base, and promotion must find this one."""
+        from lorafleet.models import base_name_for
+
+        return cfg.served_base or f"{base_name_for(cfg.base_model)}{CE_BASE_SUFFIX}"
 
     def build_dataset(self, cfg: RerankConfig) -> RerankDataset:
         return build_rerank_dataset(cfg)

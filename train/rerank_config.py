@@ -4,13 +4,17 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from lorafleet.config import PACKAGED_MINILM, StrictModel
+from lorafleet.refs import MODELS_SCHEME, parse_models_uri
 from lorafleet.train.config import DataConfig, LoraSettings, RetrievalData, TrainConfig
 from lorafleet.train.fusion import RRF_K
 
 FirstStageKind = Literal["bm25", "dense", "hybrid"]
+# A cross-encoder base is served under its base name plus this (configs/fleet.yaml: all-MiniLM-L6-v2-ce), beside the
+# same checkpoint as an embedder: two runtimes of one source need two names.
+CE_BASE_SUFFIX = "-ce"
 
 
 class FirstStageSettings(StrictModel):
@@ -18,10 +22,18 @@ class FirstStageSettings(StrictModel):
 
     kind: FirstStageKind = Field("bm25", description="bm25; dense (the `embedder`); hybrid: RRF of both.")
     embedder: str = Field(PACKAGED_MINILM, description="dense/hybrid: a sentence-transformers model (packaged "
-                          "MiniLM, hub id or folder).")
+                          "MiniLM, hub id or folder), or a registered embedding specialist `models:/NAME/N` "
+                          "(`models:/NAME@champion`): its base with its LoRA, from the MLflow registry.")
     depth: int = Field(20, ge=2, le=100, description="Rerank depth k: the first stage's top k sections are "
                        "reordered, the rest keep the first stage's order.")
     rrf_k: int = Field(RRF_K, ge=0, description="hybrid: the RRF constant.")
+
+    @field_validator("embedder")
+    @classmethod
+    def _registry_uri(cls, embedder: str) -> str:
+        if embedder.startswith(MODELS_SCHEME):
+            parse_models_uri(embedder)  # ValueError naming models:/NAME/VERSION and models:/NAME@ALIAS
+        return embedder
 
 
 class RerankConfig(StrictModel):
@@ -31,6 +43,9 @@ class RerankConfig(StrictModel):
                                 "(default) or your own with `layout: corpus | pairs`. `num_negatives` hard "
                                 "negatives per query are mined from the first stage's ranking (`hard_negatives: "
                                 "false`: random training sections instead); `negative_margin` is not used.")
+    served_base: str | None = Field(None, description="The fleet base (runtime `cross-encoder`) the bundle runs on "
+                                    f"once promoted; default the base model's name plus `{CE_BASE_SUFFIX}`, as the "
+                                    "default fleet serves the packaged MiniLM (`all-MiniLM-L6-v2-ce`).")
     first_stage: FirstStageSettings = Field(default_factory=FirstStageSettings)
     lora: LoraSettings = Field(default_factory=LoraSettings)
     loss: Literal["mnrl", "bce", "lambda"] = Field(

@@ -1,7 +1,8 @@
 """The rerank pipeline and its evaluation: a first stage finds candidates, the cross-encoder reorders the top k.
 
 First stages (section level, MaxP over chunks, the same machinery as the retrieval kind's evaluation):
-`bm25` (train.evaluate.BM25Evaluator), `dense` (an embedder, train.evaluate.DenseEvaluator) and
+`bm25` (train.evaluate.BM25Evaluator), `dense` (an embedder, train.evaluate.DenseEvaluator: a model, or a
+registered embedding specialist `models:/NAME/N`, resolved through the core adapter sources) and
 `hybrid` (RRF of both, train.fusion). A first stage ranks the top 100 sections; the cross-encoder
 scores every chunk of the top `depth` (a section scores its best chunk) and reorders them; places
 depth+1…100 keep the first stage's order. So the pipeline's and the first stage's metrics
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,6 +29,7 @@ from lorafleet.train.fusion import fuse_rankings
 from lorafleet.train.rerank_config import FirstStageSettings
 
 FIRST = "first"  # metric prefix of the first stage alone
+BUNDLE_SPEC = "bundle.yaml"  # beside a registered bundle's adapter folder: names the base it was trained on
 FRESH_HEAD_SEED = 0  # the serving runtime's (sidecar ce_runtime.FRESH_HEAD_SEED): a missing head is drawn alike
 
 
@@ -114,13 +117,46 @@ def _stage(dataset: RerankDataset, s: FirstStageSettings, device: str, batch_siz
         if s.kind == "bm25":
             dataset._stages[key] = BM25Evaluator(dataset.retrieval)
         else:
-            from lorafleet.train.trainer import ProgressEncoder, load_base_model
+            from lorafleet.train.trainer import ProgressEncoder
 
-            model = load_base_model(s.embedder, device, dataset.settings.get("max_seq_length"))
+            model = load_embedder(s.embedder, device, dataset.settings.get("max_seq_length"))
             dense = DenseEvaluator(dataset.retrieval, batch_size)
             dense.encode_corpus(ProgressEncoder(model, "first stage: encode corpus"))
             dataset._stages[key] = (model, dense.corpus_embeddings)
     return dataset._stages[key]
+
+
+def registered_embedder(uri: str) -> tuple[Path, str]:
+    """(adapter folder, base source) of a registered embedding specialist `models:/NAME/N` (or `@alias`).
+
+    Resolved through the core adapter-source contract (the registry's `models:` plugin downloads the bundle and
+    checks its digests), so this stage never imports the registry. The base is the one the bundle records beside
+    its adapter (`bundle.yaml`, base.source), else the one the adapter recorded when trained."""
+    from lorafleet.adapters import AdapterUnavailable, recorded_base, resolve_adapter_uri
+
+    adapter_dir = resolve_adapter_uri(uri)
+    base: str | None = None
+    spec = adapter_dir.parent / BUNDLE_SPEC
+    if spec.is_file():
+        import yaml
+
+        base = ((yaml.safe_load(spec.read_text()) or {}).get("base") or {}).get("source")
+    base = base or recorded_base(adapter_dir)
+    if not base:
+        raise AdapterUnavailable(f"{uri}: the bundle names no base model to load its adapter on")
+    return adapter_dir, str(base)
+
+
+def load_embedder(embedder: str, device: str = "cpu", max_seq_length: int | None = None) -> Any:
+    """The dense first stage's SentenceTransformer: a model (packaged MiniLM, hub id, folder), or a registered
+    embedding specialist `models:/NAME/N` (its base with its LoRA active)."""
+    from lorafleet.refs import MODELS_SCHEME
+    from lorafleet.train.trainer import load_adapter_model, load_base_model
+
+    if embedder.startswith(MODELS_SCHEME):
+        adapter_dir, base = registered_embedder(embedder)
+        return load_adapter_model(base, adapter_dir, device, max_seq_length)
+    return load_base_model(embedder, device, max_seq_length)
 
 
 def section_texts(data: RetrievalDataset) -> dict[str, list[str]]:

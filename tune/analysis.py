@@ -26,6 +26,11 @@ class ProfileResult:
     points: list[dict[str, Any]] = field(default_factory=list)
     on_front: bool = False
     recommended: bool = False
+    pairs_per_request: int = 0  # rerankers: (query, document) pairs in each request; 0 for embeddings
+
+    @property
+    def pairs_per_s(self) -> float | None:
+        return self.throughput_rps * self.pairs_per_request if self.pairs_per_request else None
 
     def key(self) -> tuple[int, int, float, int, str]:
         p = self.profile
@@ -39,7 +44,9 @@ class ProfileResult:
                 "throughput_rps": round(self.throughput_rps, 2), "p50_ms": _r(self.p50_ms), "p99_ms": _r(self.p99_ms),
                 "peak_rss_mb": round(self.peak_rss_mb, 1), "peak_gpu_mb": _r(self.peak_gpu_mb),
                 "errors": self.errors, "unsent": self.unsent, "gen_cpu_pct": round(self.gen_cpu_pct, 2),
-                "restart_s": round(self.restart_s, 2), "on_front": self.on_front, "recommended": self.recommended}
+                "restart_s": round(self.restart_s, 2), "on_front": self.on_front, "recommended": self.recommended,
+                **({"pairs_per_s": round(self.throughput_rps * self.pairs_per_request, 1)}
+                   if self.pairs_per_request else {})}
 
 
 def _r(v: float | None) -> float | None:

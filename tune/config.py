@@ -46,13 +46,27 @@ class TuneConfig(StrictModel):
                                         "vector and fp32's.")
     precision_profiles: int = Field(3, ge=1, description="Each qualifying precision other than fp32 re-measures this "
                                     "many of the best fp32 profiles (they count towards max_profiles).")
+    # Rerankers (a cross-encoder's LoRA, score.py): the load is rerank requests, throughput is counted in pairs.
+    rerank_documents: int = Field(50, ge=1, le=1000, description="Rerankers: documents per request (1 query × "
+                                  "this many, the typical rerank depth).")
+    slo_rerank_p99_ms: float = Field(2000.0, gt=0, description="Rerankers: the objective on a whole request's p99 "
+                                     "(all its pairs scored).")
+    rerank_concurrencies: list[int] = Field(default_factory=lambda: [1, 8], min_length=1,
+                                            description="Rerankers: closed-loop concurrencies (8: the benchmark's).")
+    rerank_tokens_grid: list[int] = Field(default_factory=lambda: [2048, 8192, 16384],
+                                          description="Rerankers: max_batch_tokens, the padded pair tokens of one "
+                                          "forward pass and of one batch (pairs per call ≈ this / pair length).")
+    rerank_items_grid: list[int] = Field(default_factory=lambda: [1, 2, 4, 8], description="Rerankers: "
+                                         "max_batch_items, the tasks (chunks of gateway.rerank_chunk documents) "
+                                         "one batch may join.")
 
     @classmethod
     def quick_preset(cls, **overrides: object) -> TuneConfig:
         base: dict[str, object] = dict(quick=True, concurrencies=[8], open_fractions=[0.6], point_s=1.2,
                                        warmup_s=0.3, items_grid=[1, 8], wait_grid=[], inflight_grid=[],
                                        min_open_requests=15, tokens_per_item_grid=[], max_profiles=3, budget_s=45.0,
-                                       precision_profiles=1)
+                                       precision_profiles=1, rerank_tokens_grid=[16384], rerank_items_grid=[],
+                                       rerank_concurrencies=[8])
         base.update(overrides)
         return cls(**base)
 

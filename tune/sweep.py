@@ -118,9 +118,14 @@ class Sweeper:
             time.sleep(0.2)
         raise TuneError(f"the tuning worker did not serve the adapter within {timeout:.0f}s ({last})")
 
+    def target(self) -> Target:
+        """The load every profile is measured under (score.py: rerank requests instead)."""
+        assert self.cluster is not None
+        return make_target(self.cluster.gateway_url, SERVED_NAME, self.texts)
+
     def measure(self, profile: ServingProfile, phase: str, restart_s: float) -> ProfileResult:
         assert self.cluster is not None
-        target = make_target(self.cluster.gateway_url, SERVED_NAME, self.texts)
+        target = self.target()
         pid = self.cluster.pid("worker-1")
         cfg = self.cfg
         points: list[LoadResult] = []
@@ -185,6 +190,10 @@ def run_tune(source: TuneSource, cfg: TuneConfig | None = None, out_dir: Path | 
     with `generative` or, from `cfg`, its quick preset and memory limit.
     """
     cfg = cfg or TuneConfig()
+    from lorafleet.tune.score import is_score, run_score_tune
+
+    if is_score(source):  # a cross-encoder's LoRA: rerank requests, pairs/s (score.py)
+        return run_score_tune(source, cfg, out_dir, say)
     if is_generative(source):
         if generative is None:
             generative = GenerativeTuneConfig.quick_preset() if cfg.quick else GenerativeTuneConfig()

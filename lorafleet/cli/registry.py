@@ -159,9 +159,14 @@ def promote(
     canary: float = typer.Option(None, "--canary", help="Send only this percent (0 < P < 100) of the name's traffic "
                                  "to the version, sticky per client (X-Lorafleet-Route-Key, else the API key, else "
                                  "the address); the rest stays on the champion. End it with --finish or --abort."),
-    finish: bool = typer.Option(False, "--finish", help="End the canary in progress: its version becomes champion "
-                                "(gate, preload and retention as for a promote)."),
-    abort: bool = typer.Option(False, "--abort", help="End the canary in progress: all traffic back on the "
+    shadow: float = typer.Option(None, "--shadow", help="Generative and rerank models: copy this percent "
+                                 "(0 < P < 100) of the name's requests to the version after the champion answered; "
+                                 "clients only ever get the champion's answer, the copy's is compared (latency, "
+                                 "length, agreement) and discarded. End it with --finish or --abort, which log the "
+                                 "figures to the version's MLflow run (online_* metrics)."),
+    finish: bool = typer.Option(False, "--finish", help="End the canary or shadow in progress: its version becomes "
+                                "champion (gate, preload and retention as for a promote)."),
+    abort: bool = typer.Option(False, "--abort", help="End the canary or shadow in progress: all traffic back on the "
                                "champion, which stays as it is."),
     watch: str = typer.Option(None, "--watch", help="With --canary (or alone, for the canary in progress): compare "
                               "candidate and champion over all gateways for this long (e.g. 10m, 1h); abort at once "
@@ -174,6 +179,10 @@ def promote(
                                         "latency exceeds the champion's times this."),
     min_requests: int = typer.Option(20, "--min-requests", help="--watch: requests each side needs before the "
                                      "comparison counts."),
+    max_empty_increase: float = typer.Option(5.0, "--max-empty-increase", help="--watch, generative models: abort "
+                                             "when the candidate's share of empty answers (no text, stopped or cut "
+                                             "at max_tokens) exceeds the champion's by more than this many "
+                                             "percentage points."),
 ) -> None:
     """Quality gate → preload on the base's workers → alias 'champion' → live fleet state: gateways and workers
     switch without a restart, and the first requests to the new version do not wait for a download. With
@@ -182,21 +191,35 @@ def promote(
     from lorafleet.registry.promote import promote as do_promote
 
     echo_home()
-    chosen = [f for f, on in (("--canary", canary is not None), ("--finish", finish), ("--abort", abort)) if on]
+    chosen = [f for f, on in (("--canary", canary is not None), ("--shadow", shadow is not None),
+                              ("--finish", finish), ("--abort", abort)) if on]
     if len(chosen) > 1:
-        _fail(f"{' and '.join(chosen)} do not go together: start a canary, or end the one in progress")
+        _fail(f"{' and '.join(chosen)} do not go together: start a canary or a shadow, or end the one in progress")
+    if shadow is not None:
+        if watch is not None:
+            _fail("--watch judges a canary; a shadow is compared until --finish or --abort, which log its figures")
+        from lorafleet.cli.shadow import shadow_start
+
+        shadow_start(name, version, shadow, force=force, margin=margin, nats_url=nats_url, fleet=fleet, creds=creds,
+                     preload=_preload(no_preload, preload_timeout))
+        return
     if (finish or abort) and version is not None:
         _fail(f"{chosen[0]} ends the canary in progress, whose version is already chosen: leave out --version")
     if watch is not None and (finish or abort):
         _fail(f"--watch and {chosen[0]} do not go together: --watch ends the canary itself")
     preload = _preload(no_preload, preload_timeout)
     changes = _retention_changes(retain, retain_versions)
+    from lorafleet.cli.shadow import shadow_end
+
+    if (finish or abort) and shadow_end(name, finish, force=force, margin=margin, nats_url=nats_url, fleet=fleet,
+                                        creds=creds, preload=preload, changes=changes):
+        return
     if watch is not None:
         from lorafleet.registry.watch import Margins
 
         try:
             window = parse_duration(watch)
-            margins = Margins(max_error_increase / 100.0, max_p99_ratio, min_requests)
+            margins = Margins(max_error_increase / 100.0, max_p99_ratio, min_requests, max_empty_increase / 100.0)
         except (ValueError, *_errors()) as exc:
             _fail(f"--watch: {exc}" if isinstance(exc, ValueError) else str(exc))
             return
@@ -341,12 +364,19 @@ def check_cmd(
     """Whether the champion alias, its history and what the fleet serves agree (a promote or rollback that died
     half-way leaves them apart); exit code 1 when they disagree and --repair was not given."""
     from lorafleet.registry.promote import check
+    from lorafleet.registry.shadow import drop_stale
 
     try:
         state = check(name, nats_url=nats_url, fleet_file=fleet, creds=creds, repair=repair)
+        # a canary or shadow whose candidate is no longer consistent is dropped, never left (issue 25)
+        stale = drop_stale(name, repair=repair, nats_url=nats_url, fleet_file=fleet, creds=creds)
     except _errors() as exc:
         _fail(str(exc))
         return
+    if stale is not None and repair:
+        typer.echo(f"{name}: dropped the canary/shadow: {stale}; all traffic on the champion")
+    elif stale is not None:
+        _fail(f"{name}: {stale}; run with --repair to drop it")
     if state.repaired:
         typer.echo(f"{name}: repaired; now {state.describe()}")
     elif state.agrees:

@@ -66,6 +66,7 @@ def status(
                 "cluster": {}, "workers": {}, "queue": {"error": str(exc)}}
     if info.get("source") == "nats":
         info["canaries"] = _canaries(info["nats_url"], state, client)
+        info["shadows"] = _canaries(info["nats_url"], state, client, shadows=True)
         if isinstance(info["canaries"], list) and info["canaries"]:
             from lorafleet.registry.canary import watch_line
 
@@ -80,15 +81,18 @@ def status(
     _print(info, state)
 
 
-def _canaries(url: str, state: Any, client: Any) -> list[dict[str, Any]] | dict[str, str]:
-    """Each canary's split from the fleet state (issue 25); {"error": …} when it cannot be read."""
+def _canaries(url: str, state: Any, client: Any, shadows: bool = False) -> list[dict[str, Any]] | dict[str, str]:
+    """Each canary's split (or each shadow with its figures so far) from the fleet state (issue 25); {"error": …}
+    when it cannot be read."""
     import asyncio
 
     from lorafleet.registry.canary import read_canaries
     from lorafleet.registry.promote import control_client
+    from lorafleet.registry.shadow import read_shadows
 
     try:
-        return asyncio.run(read_canaries(url, client or control_client(state)))
+        read = read_shadows if shadows else read_canaries
+        return asyncio.run(read(url, client or control_client(state)))
     except Exception as exc:  # the rest of the status is still worth showing
         return {"error": str(exc)}
 
@@ -143,6 +147,16 @@ def _print(info: dict[str, Any], state: Any) -> None:
         watch = c.get("watch", "nobody watches")
         typer.echo(f"  {c['name']:<20} champion v{c['champion']} {c['champion_percent']:g} %  canary v{c['canary']} "
                    f"{c['percent']:g} %  {watch}")
+    shadows = info.get("shadows", [])
+    if shadows:
+        typer.echo("shadows (from the fleet state; figures from the gateways so far):")
+    if isinstance(shadows, dict):
+        typer.echo(f"  unavailable: {shadows['error']}")
+    for s in shadows if isinstance(shadows, list) else ():
+        f = s.get("figures", {})
+        figures = "  ".join(f"{k.removeprefix('online_')} {v:.4g}" for k, v in sorted(f.items())) or "no figures yet"
+        typer.echo(f"  {s['name']:<20} champion v{s['champion']} answers all; shadow v{s['shadow']} gets copies of "
+                   f"{s['percent']:g} %  {figures}")
     typer.echo("queue (per consumer):")
     queue = info["queue"]
     if "error" in queue:

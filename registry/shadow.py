@@ -1,0 +1,424 @@
+"""Shadow promotion (issue 25, part 5): copies of part of a name's requests on a candidate, answers discarded.
+
+`lorafleet promote NAME --shadow P` (generative and rerank bundles; an embedding's vectors cannot be compared across
+versions) passes the same gate and preload as a canary, then writes a shadow spec into the name's live fleet entry
+(under the promote lock, by compare-and-set). Every gateway mirrors P % of the plain name's requests to the
+candidate after the champion has answered, compares the two answers and discards the copy's (serve/shadow.py);
+clients only ever see the champion. `--finish` and `--abort` first sum the figures of every gateway (published on
+`lorafleet.stats.gateway.<id>.shadow`) and log them to the candidate's MLflow run as an online evaluation
+(`online_*` metrics, beside the offline ones), then `--finish` makes the candidate champion through promote's path
+and `--abort` removes the shadow. While a shadow runs, a promote, rollback or canary of the name is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lorafleet.agreement import SHADOW_SUBJECT, GatewayShadowStats, ShadowFigures, ShadowKey, summed
+from lorafleet.fleet_state import (
+    FleetEntry,
+    Retention,
+    ShadowSpec,
+    adapter_id_for,
+    canary_spec,
+    delete_staged,
+    open_fleet_bucket,
+    read_entries,
+    read_entry,
+    write_entry,
+)
+from lorafleet.nats_client import ClientSettings
+from lorafleet.registry import store
+from lorafleet.registry.canary import CanaryError
+from lorafleet.registry.lock import LockBusy, promote_lock
+from lorafleet.registry.promote import (
+    Agreement,
+    Outcome,
+    Preload,
+    _bases,
+    _connect,
+    _entry,
+    _gate_or_refuse,
+    _preload,
+    _snapshot,
+    _switch,
+    _with_retention,
+    default_margin,
+    find_fleet,
+)
+from lorafleet.registry.store import CANDIDATE, CHAMPION, RegistryError, VersionInfo
+from lorafleet.tasks import GateResult
+
+log = logging.getLogger(__name__)
+
+SHADOW_KINDS = {"causal-lm": "generative", "cross-encoder": "rerank"}  # bundle kinds whose answers compare
+LISTEN_S = 2.5  # gateways publish their figures every second: two rounds from each
+ONLINE_TAG = "lorafleet.online_evaluation"  # on the candidate's run: what the online_* metrics compare
+
+
+class ShadowError(CanaryError):
+    """A shadow command that does not fit the name's state or kind; nothing changed."""
+
+
+def check_share(percent: float) -> float:
+    """The mirrored share, strictly between 0 and 100."""
+    if not isinstance(percent, int | float) or math.isnan(percent) or not 0 < percent < 100:
+        raise ShadowError(f"--shadow {percent}: the share must be more than 0 and less than 100 (percent of the "
+                          "name's requests copied to the candidate)")
+    return float(percent)
+
+
+def check_kind(name: str, version: str, kind: str | None) -> str:
+    """A shadow compares answers: generative text or rerank orders, never embeddings (another vector space)."""
+    if kind not in SHADOW_KINDS:
+        raise ShadowError(f"{name} v{version} is a {kind or 'sentence-transformers'} bundle: --shadow compares "
+                          "answers of generative and rerank models only (vectors of two embedding versions live in "
+                          f"different spaces); use `lorafleet promote {name} --canary P` instead")
+    return SHADOW_KINDS[kind]
+
+
+@dataclass(frozen=True)
+class ShadowState:
+    """One name's champion, shadow and canary, and the shadow's transitions; a refused one raises ShadowError
+    (read under the name's promote lock, so the answer holds until the write)."""
+
+    name: str
+    champion: str | None
+    shadow: str | None = None
+    canary: str | None = None
+
+    @classmethod
+    def of(cls, name: str, entry: FleetEntry | None) -> ShadowState:
+        if entry is None:
+            return cls(name, None)
+        return cls(name, entry.version, entry.shadow.version if entry.shadow else None,
+                   entry.canary.version if entry.canary else None)
+
+    def start(self, version: str) -> ShadowState:
+        if self.shadow is not None:
+            raise ShadowError(f"a shadow of {self.name} is already in progress (v{self.shadow}); nothing changed. "
+                              f"End it first: `lorafleet promote {self.name} --finish` or `--abort`")
+        if self.canary is not None:
+            raise ShadowError(f"a canary of {self.name} is in progress (v{self.canary}); nothing changed. End it "
+                              f"first: `lorafleet promote {self.name} --finish` or `--abort`")
+        if self.champion is None:
+            raise ShadowError(f"{self.name} is not served yet: a shadow copies a served name's requests; promote a "
+                              "first version without --shadow")
+        if version == self.champion:
+            raise ShadowError(f"v{version} is already the champion of {self.name}; nothing to shadow")
+        return dataclasses.replace(self, shadow=version)
+
+    def end(self) -> ShadowState:
+        if self.shadow is None:
+            raise ShadowError(f"{self.name} has no shadow in progress; nothing changed")
+        return dataclasses.replace(self, shadow=None)
+
+
+@dataclass(frozen=True)
+class ShadowOutcome:
+    name: str
+    champion: str
+    shadow: str | None  # None after --abort
+    percent: float
+    entry: FleetEntry
+    gate: GateResult | None
+    nats_url: str
+    figures: ShadowFigures | None = None  # what the gateways compared (at --finish/--abort)
+    logged_to: str | None = None  # the MLflow run the online metrics went to
+
+
+def start(name: str, version: str | int | None, percent: float, *, force: bool = False, margin: float | None = None,
+          nats_url: str | None = None, fleet_file: Path | None = None, creds: Path | None = None,
+          preload: Preload | None = None) -> ShadowOutcome:
+    """Gate and preload `version` (default: the `candidate` alias, else the newest) like a canary, then mirror
+    `percent` % of the name's requests to it. Refused, changing nothing, for a bad share, an embedding bundle, a
+    name not served, a shadow or canary already running or another promote holding the name."""
+    check_share(percent)  # before anything: a bad flag needs neither the registry nor the cluster
+    margin = default_margin() if margin is None else margin
+    if version is None:
+        version = store.alias_version(name, CANDIDATE)
+    info = store.get_version(name, version)
+    _, first = store.bundle_spec(info.name, info.version)
+    check_kind(name, info.version, first.kind)
+    _gate_or_refuse(info, store.alias_version(name, CHAMPION), margin, force)
+    target = find_fleet(nats_url, fleet_file, creds)
+    preload = preload or Preload()
+
+    async def run() -> ShadowOutcome:
+        nc = await _connect(target.nats_url, target.client)
+        try:
+            kv = await open_fleet_bucket(nc.jetstream())  # type: ignore[attr-defined]
+            bases = await _bases(nc, target)
+            try:
+                async with promote_lock(kv, name, "shadow") as lock:
+                    state = await _snapshot(kv, name)
+                    if not state.agrees:
+                        raise ShadowError(f"{name}: the registry and the fleet disagree ({state.describe()}); "
+                                          f"run `lorafleet registry check {name} --repair` first")
+                    ShadowState.of(name, state.entry).start(info.version)
+                    gate = await asyncio.to_thread(_gate_or_refuse, info, state.champion, margin, force)
+                    _, spec = await asyncio.to_thread(store.bundle_spec, info.name, info.version)
+                    if spec.base.name not in bases:
+                        raise ShadowError(f"{name} v{info.version} runs on base {spec.base.name!r}, which this fleet "
+                                          f"does not serve (it serves: {', '.join(bases)})")
+                    candidate = _entry(info, spec.base.name, spec.profile, "promote", spec)
+                    preloaded = await _preload(nc, kv, candidate, target, preload) if preload.enabled else None
+                    try:
+                        lock.ensure()
+                        fresh = await _snapshot(kv, name)
+                        if fresh.key() != state.key() or fresh.entry is None:
+                            raise ShadowError(f"{name} changed while the preload ran (was: {state.describe()}; now: "
+                                              f"{fresh.describe()}); nothing changed. Run it again")
+                        shadow = ShadowSpec(**canary_spec(candidate, percent).model_dump())
+                        entry = fresh.entry.model_copy(update={"shadow": shadow})
+                        await write_entry(kv, entry, last=fresh.revision)
+                    finally:
+                        if preloaded is not None:
+                            with contextlib.suppress(Exception):
+                                await delete_staged(kv, name)
+            except LockBusy as exc:
+                raise ShadowError(str(exc)) from exc
+            return ShadowOutcome(name, entry.version, info.version, percent, entry, gate, target.nats_url)
+        finally:
+            with contextlib.suppress(Exception):
+                await nc.close()  # type: ignore[attr-defined]
+
+    return asyncio.run(run())
+
+
+# -- the figures ----------------------------------------------------------------------------------------------
+
+def shadow_key(entry: FleetEntry) -> ShadowKey:
+    assert entry.shadow is not None
+    return entry.name, entry.version, entry.shadow.version, entry.shadow.started
+
+
+async def collect(nc: Any, listen_s: float = LISTEN_S) -> dict[str, GatewayShadowStats]:
+    """The latest shadow figures of every gateway heard within `listen_s`, keyed by gateway id."""
+    latest: dict[str, GatewayShadowStats] = {}
+
+    async def handler(msg: Any) -> None:
+        try:
+            stats = GatewayShadowStats.from_wire(msg.data)
+        except Exception:
+            log.debug("ignoring malformed shadow figures on %s", msg.subject)
+            return
+        if stats.gateway not in latest or latest[stats.gateway].ts <= stats.ts:
+            latest[stats.gateway] = stats
+
+    sub = await nc.subscribe(SHADOW_SUBJECT, cb=handler)
+    try:
+        await asyncio.sleep(listen_s)
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+    return latest
+
+
+def log_online(name: str, version: str, champion: str, percent: float, figures: ShadowFigures) -> str | None:
+    """The figures as `online_*` metrics (and what they compare, as tags) on the candidate version's MLflow run;
+    the run id, or None when the version has no run. Best effort: ending the shadow is what counts."""
+    from mlflow.entities import Metric, RunTag
+
+    try:
+        c = store.client()
+        run_id = c.get_model_version(name, version).run_id
+        if not run_id:
+            return None
+        now = int(time.time() * 1000)
+        metrics = [Metric(k, v, now, 0) for k, v in sorted(figures.online_metrics().items())]
+        tags = [RunTag(ONLINE_TAG, f"shadow of {percent:g} % against champion v{champion}"),
+                RunTag("lorafleet.online_champion", str(champion))]
+        c.log_batch(run_id, metrics=metrics, tags=tags)
+        return str(run_id)
+    except Exception as exc:
+        log.warning("could not log the shadow figures of %s v%s to MLflow: %s", name, version, exc)
+        return None
+
+
+async def _figures(nc: Any, entry: FleetEntry, listen_s: float) -> ShadowFigures:
+    return summed(await collect(nc, listen_s), shadow_key(entry))
+
+
+# -- ending it ------------------------------------------------------------------------------------------------
+
+def running(name: str, *, nats_url: str | None = None, fleet_file: Path | None = None,
+            creds: Path | None = None) -> FleetEntry | None:
+    """The live entry of `name` (None: not served), for the CLI's --finish/--abort to choose shadow or canary."""
+    target = find_fleet(nats_url, fleet_file, creds)
+
+    async def run() -> FleetEntry | None:
+        nc = await _connect(target.nats_url, target.client)
+        try:
+            entry, _ = await read_entry(await open_fleet_bucket(nc.jetstream()), name)  # type: ignore[attr-defined]
+            return entry
+        finally:
+            with contextlib.suppress(Exception):
+                await nc.close()  # type: ignore[attr-defined]
+
+    return asyncio.run(run())
+
+
+async def _gather_and_log(target: Any, name: str, listen_s: float) -> tuple[FleetEntry, ShadowFigures, str | None]:
+    nc = await _connect(target.nats_url, target.client)
+    try:
+        entry, _ = await read_entry(await open_fleet_bucket(nc.jetstream()), name)  # type: ignore[attr-defined]
+        ShadowState.of(name, entry).end()
+        assert entry is not None and entry.shadow is not None
+        figures = await _figures(nc, entry, listen_s)
+    finally:
+        with contextlib.suppress(Exception):
+            await nc.close()  # type: ignore[attr-defined]
+    run_id = await asyncio.to_thread(log_online, name, entry.shadow.version, entry.version, entry.shadow.percent,
+                                     figures)
+    return entry, figures, run_id
+
+
+def abort(name: str, *, nats_url: str | None = None, fleet_file: Path | None = None, creds: Path | None = None,
+          listen_s: float = LISTEN_S) -> ShadowOutcome:
+    """Log what the gateways compared to the candidate's run, then remove the shadow (the champion unchanged)."""
+    target = find_fleet(nats_url, fleet_file, creds)
+
+    async def run() -> ShadowOutcome:
+        seen, figures, run_id = await _gather_and_log(target, name, listen_s)
+        nc = await _connect(target.nats_url, target.client)
+        try:
+            kv = await open_fleet_bucket(nc.jetstream())  # type: ignore[attr-defined]
+            async with promote_lock(kv, name, "shadow abort") as lock:
+                entry, revision = await read_entry(kv, name)
+                ShadowState.of(name, entry).end()
+                assert entry is not None and entry.shadow is not None and seen.shadow is not None
+                if entry.shadow.version != seen.shadow.version:
+                    raise ShadowError(f"{name}: the shadow changed while its figures were read; nothing changed")
+                new = entry.model_copy(update={"shadow": None})
+                lock.ensure()
+                await write_entry(kv, new, last=revision)
+        except LockBusy as exc:
+            raise ShadowError(str(exc)) from exc
+        finally:
+            with contextlib.suppress(Exception):
+                await nc.close()  # type: ignore[attr-defined]
+        return ShadowOutcome(name, new.version, None, seen.shadow.percent, new, None, target.nats_url, figures,
+                             run_id)
+
+    return asyncio.run(run())
+
+
+def finish(name: str, *, force: bool = False, margin: float | None = None, nats_url: str | None = None,
+           fleet_file: Path | None = None, creds: Path | None = None, preload: Preload | None = None,
+           retention: Retention | None = None, retention_changes: dict[str, float | int | None] | None = None,
+           listen_s: float = LISTEN_S) -> tuple[Outcome, ShadowFigures, str | None]:
+    """Log the figures, then the candidate becomes champion through promote's path (gate against the champion as
+    it is then, preload, compare-and-set, the old champion retained as NAME@N); the entry it writes has no shadow."""
+    margin = default_margin() if margin is None else margin
+    target = _with_retention(find_fleet(nats_url, fleet_file, creds), retention, retention_changes)
+    seen, figures, run_id = asyncio.run(_gather_and_log(target, name, listen_s))
+    assert seen.shadow is not None
+    version = seen.shadow.version
+
+    def decide(state: Agreement) -> tuple[VersionInfo, tuple[str, ...], GateResult | None]:
+        now = ShadowState.of(name, state.entry)
+        now.end()
+        if now.shadow != version:
+            raise ShadowError(f"{name}: the shadow in progress is v{now.shadow}, not v{version}; nothing changed")
+        info = store.get_version(name, version)
+        history = state.history if state.history[-1:] == (version,) else (*state.history, version)
+        return info, history, _gate_or_refuse(info, state.champion, margin, force)
+
+    done = asyncio.run(_switch(target, name, "promote", decide, preload or Preload()))
+    out = Outcome(name, done.entry.version, done.previous, "promote", done.entry, done.gate, target.nats_url,
+                  done.preload, done.repaired, done.precision)
+    return out, figures, run_id
+
+
+# -- status, consistency ----------------------------------------------------------------------------------------
+
+def describe(entry: FleetEntry) -> dict[str, Any]:
+    """A name's shadow as `lorafleet status` shows it."""
+    s = entry.shadow
+    assert s is not None
+    return {"name": entry.name, "champion": entry.version, "shadow": s.version, "percent": s.percent,
+            "started": s.started}
+
+
+async def read_shadows(nats_url: str, client: ClientSettings | None = None, listen_s: float = LISTEN_S
+                       ) -> list[dict[str, Any]]:
+    """Every shadow in the fleet state with the figures the gateways have so far (for `lorafleet status`)."""
+    nc = await _connect(nats_url, client)
+    try:
+        kv = await open_fleet_bucket(nc.jetstream())  # type: ignore[attr-defined]
+        entries = [e for _, e in sorted((await read_entries(kv)).items()) if e.shadow is not None]
+        latest = await collect(nc, listen_s) if entries else {}
+        return [{**describe(e), "figures": summed(latest, shadow_key(e)).online_metrics()} for e in entries]
+    finally:
+        with contextlib.suppress(Exception):
+            await nc.close()  # type: ignore[attr-defined]
+
+
+def split_problem(entry: FleetEntry, registered: set[str], champion: str | None) -> str | None:
+    """Why the canary or shadow of `entry` is no longer consistent (None: it is): its version is gone from the
+    registry, it is the champion (alias or served), or its adapter is not that version's."""
+    for what, spec in (("canary", entry.canary), ("shadow", entry.shadow)):
+        if spec is None:
+            continue
+        v = spec.version
+        if v not in registered:
+            return f"the {what}'s v{v} is no longer in the registry"
+        if v in (champion, entry.version):
+            return f"the {what}'s v{v} is the champion now"
+        if spec.adapter_id != adapter_id_for(entry.name, v):
+            return f"the {what}'s adapter {spec.adapter_id} is not v{v}'s"
+    return None
+
+
+def drop_stale(name: str, *, repair: bool, nats_url: str | None = None, fleet_file: Path | None = None,
+               creds: Path | None = None) -> str | None:
+    """`registry check`: the reason the name's canary or shadow is inconsistent (None: none, or it is fine); with
+    `repair`, drop it (under the promote lock, by compare-and-set): all traffic on the champion, nothing mirrored."""
+    target = find_fleet(nats_url, fleet_file, creds)
+
+    def problem(entry: FleetEntry | None) -> str | None:
+        if entry is None or (entry.canary is None and entry.shadow is None):
+            return None
+        try:
+            registered = {v.version for v in store.versions(name)}
+        except RegistryError:
+            registered = set()
+        return split_problem(entry, registered, store.alias_version(name, CHAMPION))
+
+    async def run() -> str | None:
+        nc = await _connect(target.nats_url, target.client)
+        try:
+            kv = await open_fleet_bucket(nc.jetstream())  # type: ignore[attr-defined]
+            entry, _ = await read_entry(kv, name)
+            why = await asyncio.to_thread(problem, entry)
+            if why is None or not repair:
+                return why
+            try:
+                async with promote_lock(kv, name, "repair") as lock:
+                    entry, revision = await read_entry(kv, name)
+                    why = await asyncio.to_thread(problem, entry)
+                    if why is None or entry is None:
+                        return None
+                    lock.ensure()
+                    await write_entry(kv, entry.model_copy(update={"canary": None, "shadow": None}), last=revision)
+                    return why
+            except LockBusy as exc:
+                raise ShadowError(str(exc)) from exc
+        finally:
+            with contextlib.suppress(Exception):
+                await nc.close()  # type: ignore[attr-defined]
+
+    return asyncio.run(run())
+
+
+__all__ = ["ShadowError", "ShadowOutcome", "ShadowState", "abort", "check_kind", "check_share", "collect",
+           "drop_stale", "finish", "log_online", "read_shadows", "running", "split_problem", "start"]
