@@ -14,6 +14,8 @@ the configured epochs or when the time budget is spent, whichever comes first.
 
     python -m lorafleet.bench.train [--quick] [--epochs 2] [--budget-s 240]
     python -m lorafleet.bench.train --kind generation [--quick]     (bench/train_generation.py)
+    python -m lorafleet.bench.train [--kind generation] --precision fp32,bf16 [--set key=value]
+                                                                     (bench/train_precision.py)
 """
 
 from __future__ import annotations
@@ -202,6 +204,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch threads per arm (default: the number of CPUs).")
     p.add_argument("--out", type=Path, default=None, help="Result JSON (default bench/results/train.json, "
                    "train-generation.json for --kind generation).")
+    p.add_argument("--precision", default=None,
+                   help="Compare training precisions instead of arms, e.g. fp32,bf16: the config's own training "
+                   "(train_adapter / train_generation) at each, side by side (bench/train_precision.py).")
+    p.add_argument("--config", type=Path, default=None, help="With --precision: the config whose train: section "
+                   "runs (default configs/german-legal.yaml, or german-legal-headings.yaml for --kind generation).")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="With --precision: override a train: key (repeatable), e.g. data.max_train_queries=160.")
+    p.add_argument("--rounds", type=int, default=1, help="With --precision: rounds, alternating the order.")
+    p.add_argument("--precision-child", help=argparse.SUPPRESS)
     p.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)  # child mode
     p.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--work", type=Path, help=argparse.SUPPRESS)
@@ -212,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     epochs = args.epochs or (1 if args.quick else 2)
     threads = args.threads or os.cpu_count() or 1
     budget_s = args.budget_s or (30.0 if args.quick else 150.0)
+    if args.precision or args.precision_child:
+        return _precision(args, threads)
     if args.kind == "generation":
         return _generation(args, threads)
     args.out = args.out or RESULTS_DIR / "train.json"
@@ -267,6 +280,46 @@ def main(argv: list[str] | None = None) -> int:
     print_table(result)
     print(f"\nwrote {args.out} ({result['wall_s']:.0f}s)")
     return 0 if all("error" not in r for r in results.values()) else 1
+
+
+def _precision(args: argparse.Namespace, threads: int) -> int:
+    from lorafleet.bench import train_precision as tp
+
+    config = args.config or tp.CONFIGS[args.kind]
+    if args.precision_child:  # child: one run, result to --child-out
+        import logging
+
+        logging.basicConfig(level=logging.WARNING)
+        res = tp.run_one(args.kind, args.precision_child, config, args.overrides, args.quick,
+                         args.work or Path(tempfile.mkdtemp()), threads)
+        args.child_out.write_text(json.dumps(res))
+        return 0
+    precisions = args.precision.split(",")
+    if not set(precisions) <= {"fp32", "bf16"} or len(set(precisions)) != len(precisions):
+        print("error: --precision takes fp32 and/or bf16, comma-separated", file=sys.stderr)
+        return 2
+    info = machine_info()
+    say(f"bench/train --precision {args.precision}: {args.kind}, {config.name} {' '.join(args.overrides)}; "
+        f"{args.rounds} round(s), {threads} torch thread(s); load average {info['loadavg_start']}")
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="lorafleet-bench-precision-") as tmp:
+        res = tp.run(args.kind, precisions, config, args.overrides, args.quick, args.rounds, threads, Path(tmp),
+                     timeout_s=900 if args.quick else 5400)
+    result = {
+        "benchmark": "train", "kind": args.kind, "axis": "precision", "when": stamp(), "quick": args.quick,
+        "machine": {**info, "loadavg_end": loadavg()},
+        "setup": {"torch_threads": threads, "config": str(config.relative_to(tp.REPO) if config.is_relative_to(tp.REPO)
+                                                          else config),
+                  "overrides": [*(tp.QUICK[args.kind] if args.quick else []), *args.overrides],
+                  "precisions": precisions, "rounds": args.rounds},
+        **res, "wall_s": round(time.monotonic() - t0, 1),
+    }
+    name = f"train-precision{'-generation' if args.kind == 'generation' else ''}{'-quick' if args.quick else ''}.json"
+    out = args.out or RESULTS_DIR / name
+    write_json(out, result)
+    tp.print_table(args.kind, result)
+    print(f"\nwrote {out} ({result['wall_s']:.0f}s)")
+    return 0 if all("error" not in r for r in res["runs"]) else 1
 
 
 def _generation(args: argparse.Namespace, threads: int) -> int:

@@ -11,6 +11,37 @@ from lorafleet.config import PACKAGED_MINILM, ConfigError, StrictModel, apply_ov
 from lorafleet.train.tables import TableRef
 
 QueryKind = Literal["heading", "citation"]
+TrainPrecision = Literal["auto", "fp32", "bf16"]
+PRECISION_HELP = (
+    "Compute precision of training: 'bf16' autocasts the forward pass to bfloat16 while the weights, the LoRA "
+    "adapter and the optimizer stay float32 (mixed precision, as transformers' `bf16=True`); 'fp32' computes "
+    "in float32; 'auto' is bf16 where the device computes it natively (CPU flags avx512_bf16 or amx_bf16, ARM "
+    "bf16, or a CUDA GPU with bf16), else fp32. bf16 on a device without it is a config error. Evaluation "
+    "(dev, test, baselines) always runs at float32, so the scores compare across precisions."
+)
+
+
+def resolve_training_precision(precision: str, device: str, *, cpuinfo: str | None = None,
+                               field: str = "train.precision") -> str:
+    """'fp32' or 'bf16': what training at `precision` computes in on `device` (a resolved device, 'cpu' or
+    'cuda…'). ConfigError when bf16 is asked of a device that does not compute it natively (on a CPU without
+    it, bf16 runs emulated and slower than fp32), naming what is supported. `cpuinfo` defaults to this host's."""
+    from lorafleet.precision import FP32, supported_precisions
+
+    if precision == FP32:
+        return FP32
+    native = "bf16" in supported_precisions(device, cpuinfo)
+    if precision == "auto":
+        return "bf16" if native else FP32
+    if precision != "bf16":
+        raise ConfigError(f"{field} is {precision!r}; choose auto, fp32 or bf16")
+    if not native:
+        what = ("this GPU does not support bf16 (torch.cuda.is_bf16_supported() is False)" if device.startswith("cuda")
+                else "this CPU has no native bf16 (no avx512_bf16 or amx_bf16 flag on x86, no bf16 feature on ARM), "
+                "where bf16 runs emulated and slower than fp32")
+        raise ConfigError(f"{field} is 'bf16', but {what}; supported on {device}: fp32 (or 'auto', which picks "
+                          "bf16 only where it is native)")
+    return "bf16"
 
 
 class SplitAndNegatives(StrictModel):
@@ -136,6 +167,7 @@ class TrainConfig(StrictModel):
     scale: float = Field(20.0, gt=0, description="MNRL similarity scale (inverse temperature).")
     seed: int = 42
     device: str = Field("auto", description="'auto' (CUDA when present, else CPU), 'cpu', 'cuda', 'cuda:0', …")
+    precision: TrainPrecision = Field("fp32", description=PRECISION_HELP)
     eval_batch_size: int = Field(32, ge=1)
     price_per_hour_usd: float = Field(0.10, ge=0, description="Machine price, for the run's estimated cost.")
 

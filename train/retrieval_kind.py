@@ -70,5 +70,9 @@ class RetrievalKind(TaskKind):
 
     def bundle_details(self, cfg: TrainConfig) -> dict[str, Any]:
         # Pooling and normalisation are read from the base folder by the registry (bundle kind
-        # sentence-transformers); the chunk length is a training choice only the config knows.
-        return {"max_seq_length": cfg.max_seq_length}
+        # sentence-transformers); the chunk length is a training choice only the config knows. The training
+        # precision is what `precision` resolves to here, the machine that trained the winner.
+        from lorafleet.train.config import resolve_training_precision
+
+        return {"max_seq_length": cfg.max_seq_length,
+                "training_precision": resolve_training_precision(cfg.precision, resolve_device(cfg.device))}

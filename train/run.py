@@ -62,7 +62,8 @@ def write_report(path: Path, cfg: TrainConfig, dataset: RetrievalDataset, result
     lines = [
         "# LoRA training report",
         "",
-        f"- base model: `{cfg.base_model}`, max_seq_length {cfg.max_seq_length}, device {result.extras.get('device')}",
+        f"- base model: `{cfg.base_model}`, max_seq_length {cfg.max_seq_length}, device {result.extras.get('device')}, "
+        f"training precision {result.extras.get('training_precision', 'fp32')}",
         _data_line(cfg),
         f"- dataset digest: `{dataset.digest}`",
         "- dataset: " + ", ".join(f"{k} {v}" for k, v in dataset.summary().items()),

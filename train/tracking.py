@@ -177,6 +177,8 @@ def log_result(run: Any, result: TrainResult, out_dir: Path, *, live_epochs: boo
     for e in result.epochs:
         rows += spec.rows({k: v for k, v in e.items() if k != "epoch"}, step=int(e["epoch"]))
     mlflow.log_table(_frame(rows), TABLE_FILE)
+    if result.extras.get("training_precision"):  # what `precision` resolved to on this machine (fp32 or bf16)
+        mlflow.log_param("training_precision", result.extras["training_precision"])
     mlflow.log_artifacts(str(result.adapter_dir), "adapter")
     for path in (result.report_path, out_dir / "metrics.json", out_dir / "predictions.jsonl"):
         if path is not None and Path(path).is_file():

@@ -7,6 +7,8 @@ import logging
 import resource
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,7 @@ from lorafleet.device import resolve_device
 from lorafleet.models import resolve_model_source
 from lorafleet.progress import StepProgress, quiet_library_bars
 from lorafleet.tasks import EpochCallback, TrainResult
-from lorafleet.train.config import TrainConfig
+from lorafleet.train.config import TrainConfig, resolve_training_precision
 from lorafleet.train.dataset import RetrievalDataset
 from lorafleet.train.evaluate import DenseEvaluator
 
@@ -81,6 +83,30 @@ def _concat(parts: list[Any]) -> Any:
     import torch
 
     return torch.cat(parts)
+
+
+@contextmanager
+def float32_forward(model: Any) -> Iterator[Any]:
+    """`model` with its own forward for the block: under mixed precision, accelerate wraps the trained module's
+    `forward` in autocast on the instance (and leaves it there after training), so an evaluation that runs
+    through it (sentence-transformers' `encode` does) would score at bf16; inside, it scores at float32."""
+    wrapped, original = model.__dict__.get("forward"), model.__dict__.get("_original_forward")
+    if wrapped is None or original is None:
+        yield model
+        return
+    model.forward = original
+    try:
+        yield model
+    finally:
+        model.forward = wrapped
+
+
+def drop_autocast(model: Any) -> None:
+    """Undo accelerate's autocast wrapper on `model` for good (after training: the model is evaluated, saved
+    and handed on at float32, as an fp32-trained one)."""
+    original = model.__dict__.pop("_original_forward", None)
+    if original is not None:
+        model.__dict__.pop("forward", None)
 
 
 def load_base_model(base_model: str, device: str = "cpu", max_seq_length: int | None = None) -> Any:
@@ -300,6 +326,7 @@ def train_adapter(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     device = resolve_device(cfg.device)
+    precision = resolve_training_precision(cfg.precision, device)  # before any work: a bad setting fails now
     set_seed(cfg.seed)
     model = load_base_model(cfg.base_model, device, cfg.max_seq_length)
     train_data, data_stats = _train_dataset(cfg, dataset, model)
@@ -315,6 +342,7 @@ def train_adapter(
     epochs: list[dict[str, float]] = []
     step_losses: list[tuple[float, float]] = []  # (epoch position, loss)
     bars: list[StepProgress] = []  # the training steps' display, closed however training ends
+    eval_s: list[tuple[float, float]] = []  # wall and CPU seconds of each epoch's dev evaluation (in trainer.train)
 
     class _EpochEval(TrainerCallback):  # type: ignore[misc]
         def on_train_begin(self, args: Any, state: Any, control: Any, **_: Any) -> None:
@@ -328,13 +356,15 @@ def train_adapter(
 
         def on_epoch_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
             epoch = len(epochs) + 1
-            t0 = time.perf_counter()
-            dev = evaluator.evaluate(ProgressEncoder(model, f"dev eval, epoch {epoch}: encode"), ["dev"])
+            t0, c0 = time.perf_counter(), time.process_time()
+            with float32_forward(model):  # scores compare across training precisions
+                dev = evaluator.evaluate(ProgressEncoder(model, f"dev eval, epoch {epoch}: encode"), ["dev"])
             losses = [loss_ for pos, loss_ in step_losses if epoch - 1 < pos <= epoch + 1e-9]
             row = {"epoch": float(epoch), "train_loss": sum(losses) / len(losses) if losses else float("nan"), **dev}
+            eval_s.append((time.perf_counter() - t0, time.process_time() - c0))
             epochs.append(row)
             log.info("epoch %d: train_loss %.4f  dev_ndcg@10 %.4f  (dev eval %.0f s)",
-                     epoch, row["train_loss"], dev["dev_ndcg@10"], time.perf_counter() - t0)
+                     epoch, row["train_loss"], dev["dev_ndcg@10"], eval_s[-1][0])
             if on_epoch is not None:
                 on_epoch(epoch, dict(dev))
             model.train()
@@ -356,6 +386,7 @@ def train_adapter(
         logging_steps=1,
         report_to="none",
         use_cpu=device == "cpu",
+        bf16=precision == "bf16",  # autocast of the forward; weights, adapter and optimizer stay float32
         disable_tqdm=True,
         dataloader_num_workers=0,
     )
@@ -366,14 +397,20 @@ def train_adapter(
         model=model, args=args, train_dataset=train_data, loss=loss, callbacks=[_EpochEval()]
     )
     trainer.remove_callback(PrinterCallback)  # our own progress lines replace its raw dicts
-    log.info("training: %d pairs (%d negatives each), %d epochs, %d trainable LoRA parameters, device %s",
-             len(train_data), data_stats["train_negatives"], cfg.epochs, trainable, device)
+    log.info("training: %d pairs (%d negatives each), %d epochs, %d trainable LoRA parameters, device %s, "
+             "precision %s", len(train_data), data_stats["train_negatives"], cfg.epochs, trainable, device, precision)
+    t_train, c_train = time.perf_counter(), time.process_time()
     try:
         trainer.train()
     finally:
+        drop_autocast(model)
         for bar in bars:
             bar.close()
         shutil.rmtree(scratch, ignore_errors=True)
+    # The training loop alone (the per-epoch dev evaluations taken out): what the precision changes. CPU seconds
+    # (all threads) beside wall: on a shared machine they move less with other processes' load.
+    train_s = time.perf_counter() - t_train - sum(w for w, _ in eval_s)
+    train_cpu_s = time.process_time() - c_train - sum(c for _, c in eval_s)
 
     # The last dev evaluation encoded the corpus with the final weights; test reuses it.
     test: dict[str, float] = {}
@@ -386,7 +423,9 @@ def train_adapter(
     metrics["train_loss"] = epochs[-1]["train_loss"]
     metrics.update({k: float(v) for k, v in data_stats.items()})
     metrics["trainable_params"] = float(trainable)
+    metrics["train_s"] = round(train_s, 2)
+    metrics["train_cpu_s"] = round(train_cpu_s, 2)
     return TrainResult(
-        adapter_dir=adapter_dir, metrics=metrics, epochs=epochs, cost=meter.read(),
-        dataset_digest=dataset.digest, extras={"device": device, **({"model": model} if keep_model else {})},
+        adapter_dir=adapter_dir, metrics=metrics, epochs=epochs, cost=meter.read(), dataset_digest=dataset.digest,
+        extras={"device": device, "training_precision": precision, **({"model": model} if keep_model else {})},
     )

@@ -26,3 +26,17 @@ def test_train_generation_quick_writes_results(run_quick) -> None:  # type: igno
     assert lora["metrics"]["adapter_size_mb"] < full["metrics"]["checkpoint_size_mb"]
     assert 0 <= lora["metrics"]["test_chrf"] <= 100 and "base_test_chrf" in lora["baselines"]
     assert set(data["ratios"]) >= {"full/lora training tokens per second", "full/lora checkpoint size"}
+
+
+def test_train_precision_quick_writes_results(run_quick) -> None:  # type: ignore[no-untyped-def]
+    from lorafleet.precision import native_cpu_precisions, read_cpuinfo
+
+    if "bf16" not in native_cpu_precisions(read_cpuinfo()):
+        pytest.skip("this CPU has no native bf16: training at bf16 is refused here")
+    data = run_quick("train", "--precision", "fp32,bf16", "--threads", "1", timeout=600)
+    runs = {r["precision"]: r for r in data["runs"]}
+    assert set(runs) == {"fp32", "bf16"} and all("error" not in r for r in runs.values()), data["runs"]
+    assert {p: r["training_precision"] for p, r in runs.items()} == {"fp32": "fp32", "bf16": "bf16"}
+    assert all(0.0 <= r["metrics"]["test_ndcg@10"] <= 1.0 and r["metrics"]["train_s"] > 0 for r in runs.values())
+    assert all(r["ceiling"]["speedup"] > 0 for r in runs.values())
+    assert "bf16 speed-up, training loop (wall)" in data["summary"]
