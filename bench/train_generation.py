@@ -119,3 +119,125 @@ def print_table(results: dict[str, Any]) -> None:
     if base:
         print(f"base   test chrF {base.get('base_test_chrf', float('nan')):.2f}, lead baseline "
               f"{base.get('lead_test_chrf', float('nan')):.2f}")
+
+
+# ---------------------------------------------------------------- recipe ablation
+# `python -m lorafleet.bench.train_generation --recipe [--arms a,b] [--train N] [--eval N]`: each arm is the
+# config with a few keys changed, trained and scored on a reduced budget (fewer sections) so that the knobs
+# can be ranked on a shared 2-core CPU; the baselines are scored once per dataset (base, input length).
+RECIPE_ARMS: dict[str, dict[str, Any]] = {
+    "today": {"learning_rate": 2e-3, "epochs": 1},
+    "ep4": {"learning_rate": 2e-3, "epochs": 4},
+    "ep3": {"learning_rate": 2e-3, "epochs": 3},
+    "ep3-lr5e-4": {"learning_rate": 5e-4, "epochs": 3},
+    "ep3-in32": {"learning_rate": 2e-3, "epochs": 3, "data.input_max_tokens": 32},
+    "ep4-lr5e-4": {"learning_rate": 5e-4, "epochs": 4},
+    "ep4-in48": {"learning_rate": 2e-3, "epochs": 4, "data.input_max_tokens": 48},
+    "ep4-r64": {"learning_rate": 2e-3, "epochs": 4, "lora.r": 64, "lora.alpha": 128},
+    "ep4-cosine": {"learning_rate": 2e-3, "epochs": 4, "lr_scheduler": "cosine"},
+    "ep4-packing": {"learning_rate": 2e-3, "epochs": 4, "packing": True},
+    "full-ep4": {"full": True, "learning_rate": 5e-5, "epochs": 4},
+    "gemma-ep4": {"base_model": "gemma-3-270m", "learning_rate": 2e-3, "epochs": 4},
+}
+
+
+def recipe_config(overrides: dict[str, Any], train: int, evals: int, extra: list[str] | None = None) -> Any:
+    from lorafleet.config import apply_overrides
+    from lorafleet.train.generation import GenerationTrainConfig
+
+    raw = yaml.safe_load(CONFIG.read_text())["train"]
+    pairs = [f"{k}={json.dumps(v)}" for k, v in overrides.items() if k != "full"]
+    raw = apply_overrides(raw, [*pairs, f"data.max_train_examples={train}", f"data.max_eval_examples={evals}",
+                                "device=cpu", *(extra or [])])
+    return GenerationTrainConfig.model_validate(raw)
+
+
+def lead_only(dataset: Any) -> Any:
+    """The lead baseline alone (no generation): the ablation ranks knobs, the baselines are the full run's."""
+    from lorafleet.metrics import prefixed
+    from lorafleet.train.generation_eval import fit_lead_length, lead_baseline, text_metrics
+    from lorafleet.train.generation_run import Baselines
+
+    train = dataset.examples["train"]
+    n = fit_lead_length([ex.input for ex in train], [ex.heading for ex in train])
+    metrics: dict[str, float] = {}
+    for split in ("dev", "test"):
+        answers = lead_baseline([ex.input for ex in dataset.examples[split]], n)
+        metrics.update(prefixed(text_metrics(answers, dataset.references(split), split), "lead"))
+    return Baselines(metrics=metrics, lead_words=n)
+
+
+def run_recipe(arms: list[str], train: int, evals: int, out: Path, kshot_other: bool,
+               lead_baseline_only: bool = False, extra: list[str] | None = None) -> dict[str, Any]:
+    """Train every arm in this process (one after the other); results land in `out` after each arm."""
+    import torch
+
+    from lorafleet.train.generation import train_full, train_generation
+    from lorafleet.train.generation_run import build_generation_dataset, generation_baselines
+
+    results: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {"arms": {}, "baselines": {}}
+    results.update(threads=torch.get_num_threads(), train_examples=train, eval_examples=evals, common=extra or [])
+    for arm in arms:
+        spec = RECIPE_ARMS[arm]
+        cfg = recipe_config(spec, train, evals, extra)
+        if not kshot_other:
+            cfg = cfg.model_copy(update={"baselines": cfg.baselines.model_copy(update={"other_model": None})})
+        key = f"{cfg.base_model}/in{cfg.data.input_max_tokens}"
+        dataset = build_generation_dataset(cfg)
+        if key not in results["baselines"]:
+            t0 = time.perf_counter()
+            b = lead_only(dataset) if lead_baseline_only else generation_baselines(cfg, dataset)
+            results["baselines"][key] = {**{k: v for k, v in b.metrics.items() if "test" in k or "dev" in k},
+                                         "seconds": round(time.perf_counter() - t0, 1)}
+        t0 = time.perf_counter()
+        with_tmp = Path(out.parent) / f".recipe-{arm}"
+        try:
+            if spec.get("full"):
+                r = train_full(cfg, dataset, with_tmp, learning_rate=cfg.learning_rate)
+            else:
+                r = train_generation(cfg, dataset, with_tmp, evaluate_test=True)
+        except Exception as exc:  # one failed arm must not lose the others
+            results["arms"][arm] = {"overrides": spec, "error": repr(exc)[:500]}
+        else:
+            m = r.metrics
+            results["arms"][arm] = {
+                "overrides": spec, "baselines": key, "wall_s": round(time.perf_counter() - t0, 1),
+                "load1": os.getloadavg()[0],
+                **{k: m[k] for k in ("dev_rouge_l", "test_rouge_l", "dev_exact_match", "test_exact_match",
+                                     "test_chrf", "test_pred_words", "train_s", "train_tokens_per_s",
+                                     "train_tokens_per_epoch", "train_steps", "trainable_params") if k in m},
+                "epochs": [{k: round(v, 4) for k, v in e.items() if k in ("epoch", "train_loss", "dev_rouge_l",
+                                                                           "dev_exact_match")} for e in r.epochs],
+            }
+        import shutil
+
+        shutil.rmtree(with_tmp, ignore_errors=True)
+        out.write_text(json.dumps(results, indent=2, sort_keys=True))
+        say(f"{arm}: {json.dumps(results['arms'][arm])}")
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import logging
+
+    p = argparse.ArgumentParser(prog="python -m lorafleet.bench.train_generation")
+    p.add_argument("--recipe", action="store_true", help="Run the recipe ablation (RECIPE_ARMS).")
+    p.add_argument("--arms", default=",".join(RECIPE_ARMS))
+    p.add_argument("--train", type=int, default=160, help="Training sections (reduced budget).")
+    p.add_argument("--eval", type=int, default=40, help="Dev and test sections, each.")
+    p.add_argument("--no-other", action="store_true", help="Skip the other packaged base's k-shot baseline.")
+    p.add_argument("--set", action="append", default=[], help="key=value for every arm (precision=bf16).")
+    p.add_argument("--lead-only", action="store_true", help="Score the lead baseline only (no base generation).")
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "train-generation-recipe.json")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if not args.recipe:
+        p.error("only --recipe is run from here; the LoRA/full comparison is `python -m lorafleet.bench.train "
+                "--kind generation`")
+    run_recipe(args.arms.split(","), args.train, args.eval, args.out, not args.no_other, args.lead_only, args.set)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -22,10 +22,11 @@ from lorafleet.config import ConfigError
 from lorafleet.device import resolve_device
 from lorafleet.tasks import EpochCallback, TrainResult
 from lorafleet.train.causal_lm import describe_base, load_causal_base, resolve_dtype
+from lorafleet.train.config import resolve_training_precision
 from lorafleet.train.generation_config import GenerationLoraSettings, GenerationTrainConfig, load_generation_config
 from lorafleet.train.generation_eval import StepProgress, generate_answers, text_metrics
 from lorafleet.train.headings import HeadingsDataset
-from lorafleet.train.trainer import CostMeter, save_peft_adapter
+from lorafleet.train.trainer import CostMeter, drop_autocast, float32_forward, save_peft_adapter
 
 log = logging.getLogger("lorafleet.train")
 HEADLINE = "test_rouge_l"  # the deciding metric of this kind (ROUGE-L F1 over words); higher is better
@@ -83,15 +84,24 @@ def evaluate_split(cfg: GenerationTrainConfig, model: Any, tokenizer: Any, datas
     return text_metrics(preds, dataset.references(split), split), preds
 
 
-def _sft_config(cfg: GenerationTrainConfig, out: Path, device: str, learning_rate: float) -> Any:
+def training_precision(cfg: GenerationTrainConfig, device: str) -> str:
+    """'bf16' or 'fp32': what training computes in. `precision` (autocast over float32 weights; ConfigError where
+    bf16 is not native), and bf16 whenever `dtype` loads the weights in bfloat16 (CUDA's 'auto')."""
     import torch
+
+    precision = resolve_training_precision(cfg.precision, device)
+    return "bf16" if resolve_dtype(device, cfg.dtype) == torch.bfloat16 else precision
+
+
+def _sft_config(cfg: GenerationTrainConfig, out: Path, device: str, learning_rate: float) -> Any:
     from trl import SFTConfig
 
-    bf16 = resolve_dtype(device, cfg.dtype) == torch.bfloat16
+    # bf16=True: accelerate autocasts the forward to bf16; float32 weights and the optimizer stay float32.
+    bf16 = training_precision(cfg, device) == "bf16"
     return SFTConfig(
         output_dir=str(out), num_train_epochs=cfg.epochs, per_device_train_batch_size=cfg.batch_size,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps, learning_rate=learning_rate,
-        lr_scheduler_type="linear", warmup_steps=cfg.warmup_ratio, weight_decay=cfg.weight_decay,
+        lr_scheduler_type=cfg.lr_scheduler, warmup_steps=cfg.warmup_ratio, weight_decay=cfg.weight_decay,
         max_length=cfg.max_length, packing=cfg.packing, completion_only_loss=True, assistant_only_loss=False,
         train_sampling_strategy="group_by_length" if cfg.group_by_length and not cfg.packing else "random",
         activation_checkpointing=cfg.activation_checkpointing, bf16=bf16, fp16=False, seed=cfg.seed, data_seed=cfg.seed,
@@ -110,8 +120,10 @@ class _Loop:
         self.epochs: list[dict[str, float]] = []
         self.losses: list[tuple[float, float]] = []  # (epoch position, loss)
         self.t0 = self.eval_s = self.train_s = 0.0
+        self.c0 = self.eval_cpu_s = self.train_cpu_s = 0.0  # CPU seconds (all threads), beside the wall seconds
         self.last_dev: tuple[dict[str, float], list[str]] | None = None
         self.bar: StepProgress | None = None
+        self.precision = "fp32"  # what training computes in (`training_precision`)
 
     def callback(self) -> Any:
         from transformers import TrainerCallback
@@ -120,7 +132,7 @@ class _Loop:
 
         class _Callback(TrainerCallback):  # type: ignore[misc]
             def on_train_begin(self, args: Any, state: Any, control: Any, **_: Any) -> None:
-                loop.t0 = time.perf_counter()
+                loop.t0, loop.c0 = time.perf_counter(), time.process_time()
                 loop.bar = StepProgress(state.max_steps, "train")
 
             def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None,
@@ -135,6 +147,7 @@ class _Loop:
 
             def on_train_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
                 loop.train_s = time.perf_counter() - loop.t0 - loop.eval_s
+                loop.train_cpu_s = time.process_time() - loop.c0 - loop.eval_cpu_s
                 if loop.bar is not None:
                     loop.bar.close()
 
@@ -145,9 +158,12 @@ class _Loop:
         losses = [v for pos, v in self.losses if epoch - 1 < pos <= epoch + 1e-9]
         row = {"epoch": float(epoch), "train_loss": sum(losses) / len(losses) if losses else float("nan")}
         if self.eval_each_epoch:
-            t0 = time.perf_counter()
-            dev, preds = evaluate_split(self.cfg, model, self.tokenizer, self.dataset, "dev", f"dev, epoch {epoch}")
+            t0, c0 = time.perf_counter(), time.process_time()
+            with float32_forward(model):  # scores compare across training precisions
+                dev, preds = evaluate_split(self.cfg, model, self.tokenizer, self.dataset, "dev",
+                                            f"dev, epoch {epoch}")
             self.eval_s += time.perf_counter() - t0
+            self.eval_cpu_s += time.process_time() - c0
             self.last_dev = (dev, preds)
             row.update(dev)
             log.info("epoch %d: train_loss %.4f  dev_rouge_l %.4f  dev_chrf %.2f  dev_exact_match %.3f  "
@@ -237,10 +253,12 @@ def _run_sft(cfg: GenerationTrainConfig, dataset: HeadingsDataset, out_dir: Path
     from transformers import set_seed
 
     device = resolve_device(cfg.device)
+    precision = training_precision(cfg, device)  # before any work: a bad setting fails now
     set_seed(cfg.seed)
     model, tokenizer = load_causal_base(cfg.base_model, device, cfg.dtype, chat_template=cfg.chat_template)
     model.train()
     loop = _Loop(cfg, dataset, tokenizer, on_epoch, evaluate)
+    loop.precision = precision
     trainer = build_sft_trainer(cfg, dataset, model, tokenizer, out_dir, lora=lora, learning_rate=learning_rate,
                                 callbacks=[loop.callback()])
     if max_steps is not None:
@@ -248,12 +266,13 @@ def _run_sft(cfg: GenerationTrainConfig, dataset: HeadingsDataset, out_dir: Path
     trained = trainer.model
     n_trainable = sum(p.numel() for p in trained.parameters() if p.requires_grad)
     tokens = _train_tokens(trainer)
-    log.info("training %s: %d examples (%d tokens), %d epochs, %d trainable parameters, device %s, %d threads",
-             "LoRA" if lora else "all weights", len(trainer.train_dataset), tokens, cfg.epochs, n_trainable, device,
-             torch.get_num_threads())
+    log.info("training %s: %d examples (%d tokens), %d epochs, %d trainable parameters, device %s, %d threads, "
+             "precision %s", "LoRA" if lora else "all weights", len(trainer.train_dataset), tokens, cfg.epochs,
+             n_trainable, device, torch.get_num_threads(), precision)
     try:
         trainer.train()
     finally:
+        drop_autocast(trained)  # evaluated, saved and handed on at the weights' own dtype
         if loop.bar is not None:  # an exception from on_epoch skips on_train_end
             loop.bar.close()
         shutil.rmtree(out_dir / ".trainer", ignore_errors=True)
@@ -263,6 +282,7 @@ def _run_sft(cfg: GenerationTrainConfig, dataset: HeadingsDataset, out_dir: Path
     stats = {
         "train_examples": float(len(trainer.train_dataset)), "train_tokens_per_epoch": float(tokens),
         "trainable_params": float(n_trainable), "train_steps": float(steps), "train_s": round(loop.train_s, 2),
+        "train_cpu_s": round(loop.train_cpu_s, 2),
         "train_tokens_per_s": round(seen / loop.train_s, 1) if loop.train_s > 0 else float("nan"),
         "epoch_eval_s": round(loop.eval_s, 2), "torch_threads": float(torch.get_num_threads()),
     }
@@ -301,7 +321,7 @@ def train_generation(
     adapter_dir = save_peft_adapter(model, out_dir / "adapter", cfg.base_model)
     metrics["adapter_size_mb"] = _dir_mb(adapter_dir)
     extras: dict[str, Any] = {"device": resolve_device(cfg.device), "predictions": predictions,
-                              "base": describe_base(cfg.base_model)}
+                              "base": describe_base(cfg.base_model), "training_precision": loop.precision}
     if keep_model:
         extras.update(model=model, tokenizer=tokenizer)
     return TrainResult(adapter_dir=adapter_dir, metrics=metrics, epochs=loop.epochs, cost=meter.read(),
@@ -340,7 +360,8 @@ def train_full(
     metrics["checkpoint_size_mb"] = _dir_mb(ckpt)
     return TrainResult(adapter_dir=ckpt, metrics=metrics, epochs=loop.epochs, cost=meter.read(),
                        dataset_digest=dataset.digest,
-                       extras={"device": resolve_device(cfg.device), "predictions": predictions})
+                       extras={"device": resolve_device(cfg.device), "predictions": predictions,
+                               "training_precision": loop.precision})
 
 
 __all__ = [

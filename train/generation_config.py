@@ -10,6 +10,7 @@ from pydantic import Discriminator, Field, Tag
 from lorafleet.config import ConfigError, StrictModel, apply_overrides, read_yaml, validate_model
 from lorafleet.train.byo_generation import GenerationDatasetData
 from lorafleet.train.causal_lm import PACKAGED_SMOLLM2
+from lorafleet.train.config import PRECISION_HELP, TrainPrecision
 from lorafleet.train.headings import HeadingsDataConfig
 
 
@@ -58,6 +59,8 @@ class GenerationTrainConfig(StrictModel):
     batch_size: int = Field(8, ge=1)
     gradient_accumulation_steps: int = Field(1, ge=1)
     warmup_ratio: float = Field(0.05, ge=0, lt=1)
+    lr_scheduler: Literal["linear", "cosine", "constant_with_warmup"] = Field(
+        "linear", description="Learning-rate schedule after the warm-up.")
     weight_decay: float = Field(0.0, ge=0)
     max_length: int = Field(256, ge=16, description="Token cap of one training sequence (prompt + heading).")
     packing: bool = Field(False, description="Pack sequences (trl BFD, padding-free) instead of padding a batch.")
@@ -65,7 +68,11 @@ class GenerationTrainConfig(StrictModel):
     activation_checkpointing: bool = Field(False, description="Trade compute for memory (trl turns it on by default).")
     seed: int = 42
     device: str = Field("auto", description="'auto' (CUDA when present, else CPU), 'cpu', 'cuda', 'cuda:0', …")
-    dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="auto: bf16 on CUDA that supports it.")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="The dtype the base's weights are loaded in, for training and evaluation alike (auto: "
+        "bfloat16 on a CUDA GPU that supports it, else float32). Weights in bfloat16 also train in bfloat16. "
+        "Compare `precision`, which keeps float32 weights and computes in bf16.")
+    precision: TrainPrecision = Field("fp32", description=PRECISION_HELP)
     eval_batch_size: int = Field(16, ge=1)
     max_new_tokens: int = Field(32, ge=1, description="Cap of a generated heading (98 % of headings fit in 32).")
     price_per_hour_usd: float = Field(0.10, ge=0, description="Machine price, for the run's estimated cost.")

@@ -70,9 +70,12 @@ class GenerationKind(TaskKind):
     def bundle_details(self, cfg: GenerationTrainConfig) -> dict[str, Any]:
         """What serving needs beside the adapter: the base's description (GGUF digest, dequantised weights),
         the chat template override, the task's system prompt and the generation defaults it was scored with."""
+        from lorafleet.device import resolve_device
         from lorafleet.train.causal_lm import describe_base
+        from lorafleet.train.generation import training_precision
 
         return {
+            "training_precision": training_precision(cfg, resolve_device(cfg.device)),  # on this, the training host
             "base": describe_base(cfg.base_model),
             "chat_template": cfg.chat_template,
             "system_prompt": cfg.data.system_prompt,

@@ -151,7 +151,8 @@ def write_generation_report(path: Path, cfg: GenerationTrainConfig, dataset: Hea
         "",
         f"- base model: `{cfg.base_model}`" + (f" (GGUF `{base['gguf_file']}`, {base.get('quantization')}, "
                                                f"dequantised; sha256 `{base['gguf_sha256'][:16]}…`)"
-                                               if "gguf_file" in base else "") + f", device {result.extras['device']}",
+                                               if "gguf_file" in base else "") + f", device {result.extras['device']}, "
+        f"training precision {result.extras.get('training_precision', 'fp32')}",
         (f"- laws: {', '.join(cfg.data.laws)}; " if isinstance(cfg.data, HeadingsDataConfig) else
          f"- your data, layout `{cfg.data.layout}`: `{cfg.data.rows.label()}`; ")
         + f"input ≤ {cfg.data.input_max_tokens} tokens; "
