@@ -74,6 +74,16 @@ def cpu_loras_candidates(cfg: GenerativeTuneConfig, max_loras: int) -> list[int]
     return sorted({max(max_loras, round(share * cfg.adapters)) for share in cfg.cpu_loras_grid})
 
 
+def planned_profiles(cfg: GenerativeTuneConfig, cuda: bool) -> int:
+    """At most how many profiles the sweep measures (the stages' grids, capped by `max_profiles`): the n of the
+    `profile i/≤n` lines. A stage can stop early (a plateau, the budget) or repeat a profile, so it is a bound."""
+    cpu = len(cpu_loras_candidates(cfg, min(cfg.adapters, DEFAULT_MAX_LORAS)))
+    memory = cfg.gpu_memory_grid if cuda else cfg.kv_cache_gib_grid
+    stages = (1 + len(cfg.seqs_grid) + len(max_loras_candidates(cfg)) + cpu + len(cfg.batched_tokens_grid)
+              + len(memory) + len(cfg.slots_grid))
+    return max(1, min(stages, cfg.max_profiles))
+
+
 def normalise(options: Options) -> Options:
     """One spelling per engine: no None values, and no max_cpu_loras at or below max_loras (vLLM's default
     is max_loras, and less is refused), so equal engines are measured once."""
@@ -259,6 +269,7 @@ def run_generative_tune(source: TuneSource, cfg: GenerativeTuneConfig | None = N
     sweeper = GenerativeSweeper(source, cfg, work, say)
     results: list[GenerativeResult] = []
     memory_mb = cfg.memory_gb * 1024 if cfg.memory_gb else None
+    at_most = planned_profiles(cfg, cuda)
     say(f"tune (generative): {source.label} on {source.base_name}; TTFT p99 ≤ {cfg.slo_ttft_p99_ms:g} ms; "
         f"{cfg.adapters} adapter id(s) in the load; budget {cfg.budget_s:.0f}s; each profile restarts the engine")
 
@@ -269,10 +280,12 @@ def run_generative_tune(source: TuneSource, cfg: GenerativeTuneConfig | None = N
             return next(r for r in results if r.key() == key)
         if not first and (len(results) >= cfg.max_profiles or time.monotonic() - t0 > cfg.budget_s):
             return None
+        # Announced before it runs: each profile restarts the engine and measures for a minute or more.
+        say(f"  profile {len(results) + 1}/≤{at_most} ({phase}): {options} …")
         restart = 0.0 if first else sweeper.apply(options)
         r = sweeper.measure(options, phase, restart)
         results.append(r)
-        say(f"  [{len(results):>2}] {options}: {r.tokens_per_s:6.1f} tok/s, TTFT p50 {r.ttft_p50_ms} p99 "
+        say(f"  [{len(results):>2}/{at_most}] {options}: {r.tokens_per_s:6.1f} tok/s, TTFT p50 {r.ttft_p50_ms} p99 "
             f"{r.ttft_p99_ms} ms, ITL p50 {r.itl_p50_ms} ms, RSS {r.peak_rss_mb:.0f} MB"
             + (f", {r.errors} errors" if r.errors else "") + f"  ({time.monotonic() - t0:.0f}s)")
         return r
