@@ -98,7 +98,9 @@ def test_ship_tunes_and_registers_a_rerank_winner(ce_adapter_dir: Path, tiny_mod
     from lorafleet.research.result import ResearchResult
 
     mlflow.set_tracking_uri(store.tracking_uri())
-    with mlflow.start_run() as run:  # the research study's parent run, which the bundle is logged under
+    # An experiment of this store: mlflow's process-wide active experiment may still be an earlier test's id.
+    experiment = mlflow.set_experiment("tiny-rerank")
+    with mlflow.start_run(experiment_id=experiment.experiment_id) as run:  # the study's parent run (holds the bundle)
         parent = run.info.run_id
     winner = {"base_model": str(tiny_model_dir), "first_stage": {"kind": "bm25", "depth": 5},
               "max_seq_length": 32, "max_pair_length": 48, "device": "cpu"}
