@@ -78,7 +78,8 @@ def test_tune_quick_cli_sweeps_the_score_profile(ce_adapter_dir: Path, tiny_mode
     assert rows[1]["max_batch_tokens"] == str(TuneConfig.quick_preset().rerank_tokens_grid[0])
     for r in rows:  # every rerank request answered; pairs/s = requests/s × 50 documents
         assert r["errors"] == "0" and float(r["p99_ms"]) > 0
-        assert float(r["pairs_per_s"]) == pytest.approx(float(r["throughput_rps"]) * 50, abs=0.2)
+        # both columns are rounded (requests/s to 0.01, which ×50 is 0.25 pairs/s)
+        assert float(r["pairs_per_s"]) == pytest.approx(float(r["throughput_rps"]) * 50, abs=0.5)
     rec = next(r for r in rows if r["recommended"] == "True")
     assert int(rec["max_batch_tokens"]) == profile.max_batch_tokens
     data = json.loads((out / "results.json").read_text())
