@@ -1,7 +1,8 @@
 """Batch forming: group pulled tasks by (base, adapter), sort by length, cut under a token budget.
 
-Embed tasks of a base whose runtime runs mixed-adapter batches are grouped by base alone: one forward pass
-serves rows of many adapters (and of the bare base), so spread traffic still fills a batch. Such a batch
+Embed and score tasks of a base whose runtime runs mixed-adapter batches are grouped by (base, capability)
+alone: one forward pass serves rows of many adapters (and of the bare base), so spread traffic still fills a
+batch. Such a batch
 holds at most `max_batch_adapters` distinct adapters (all stay loaded while it computes) and keeps the
 tightest item cap and token budget of its adapters' profiles.
 
@@ -17,7 +18,7 @@ from functools import partial
 from typing import Any
 
 from lorafleet.config import ServingProfile
-from lorafleet.wire import EMBED, GenerateParams, Task
+from lorafleet.wire import EMBED, SCORE, GenerateParams, Task
 
 ProfileFor = Callable[[str, str | None], ServingProfile]
 
@@ -87,19 +88,20 @@ def split_group(items: list[Pulled], profile: ServingProfile) -> list[list[Pulle
     return batches
 
 
-_MIXED: Any = object()  # the group key of a base's mixed embed tasks, unlike any adapter id
+_MIXED: Any = object()  # the group key of a base's mixed tasks, unlike any adapter id
+MIXABLE_OPS = frozenset({EMBED, SCORE})  # generation runs per adapter (its runtimes batch one adapter at a time)
 
 
 def form_batches(items: Iterable[Pulled], profile_for: ProfileFor, mixed_bases: frozenset[str] = frozenset(),
                  max_batch_adapters: int | None = None) -> list[Batch]:
     """Group by (base, adapter, capability) in order of first arrival, then split each group under its profile.
 
-    Embed tasks of a base in `mixed_bases` group by (base, capability) instead (see `split_mixed`); a batch of
-    them that ends up with rows of one adapter only is an ordinary one-adapter batch.
+    Embed and score tasks of a base in `mixed_bases` group by (base, capability) instead (see `split_mixed`); a
+    batch of them that ends up with rows of one adapter only is an ordinary one-adapter batch.
     """
     groups: dict[tuple[str, str | None, str], list[Pulled]] = {}
     for p in items:
-        key = _MIXED if p.task.op == EMBED and p.task.base in mixed_bases else p.task.adapter
+        key = _MIXED if p.task.op in MIXABLE_OPS and p.task.base in mixed_bases else p.task.adapter
         groups.setdefault((p.task.base, key, p.task.op), []).append(p)
     out: list[Batch] = []
     for (base, adapter, op), group in groups.items():

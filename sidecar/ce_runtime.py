@@ -10,8 +10,11 @@ head travels with the adapter (peft wraps it, one copy per adapter), so switchin
 heads too and the bare base keeps its own. An adapter saved without its head would score with the
 base's head: it is refused when loaded (`AdapterUnavailable`), never served silently wrong.
 
-Batches hold one adapter (the worker groups score tasks per (base, adapter)); each call cuts its pairs
-into model batches of `batch_size` pairs, shortest first.
+A call with one adapter goes through `CrossEncoder.predict`, which cuts its pairs into model batches of
+`batch_size`, longest first. A mixed call (`score_mixed`: pairs of several adapters, or adapters and the bare
+base, which the worker forms when `mixed_adapter_batches` is on) is one forward pass in which peft's mixed-batch
+forward gives each row its own adapter's LoRA updates and its own head; the caller (`sidecar/scoring.py`) has
+already cut it by length under the token budget. Its scores equal one `score` call per adapter.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -64,6 +68,7 @@ class CrossEncoderRuntime(Runtime):
     """(query, document) pairs → relevance scores; LoRA adapters carry their own classification head."""
 
     capabilities: ClassVar[frozenset[str]] = frozenset({SCORE})
+    mixed_adapters: ClassVar[bool] = True
 
     def __init__(self, spec: BaseModelSpec, device: str = "cpu") -> None:
         from transformers.utils import logging as hf_logging
@@ -78,6 +83,7 @@ class CrossEncoderRuntime(Runtime):
         self._adapters: list[str] = []
         # The adapter set on the model; None: adapters disabled (the bare base); _UNKNOWN: set it again.
         self._active: str | object | None = _UNKNOWN
+        self._modules: list[Any] | None = None  # the modules that take adapter_names; None: find them again
         log.info("loaded cross-encoder base %s from %s on %s (max_length %s)", spec.name, source, device,
                  self.max_length)
 
@@ -93,15 +99,10 @@ class CrossEncoderRuntime(Runtime):
             raise KeyError(f"adapter {adapter_id!r} is not loaded")
         # transformers' enable_adapters/disable_adapters reach the LoRA layers but not peft's wrappers of the saved
         # head (ModulesToSaveWrapper): a head disabled once would stay the base's. Switch both kinds here.
-        from peft.tuners.tuners_utils import BaseTunerLayer
-        from peft.utils.other import AuxiliaryTrainingWrapper
-
-        inner = self.model.model
         if adapter_id is not None:
-            inner.set_adapter(adapter_id)
-        for module in inner.modules():
-            if isinstance(module, BaseTunerLayer | AuxiliaryTrainingWrapper):
-                module.enable_adapters(adapter_id is not None)
+            self.model.model.set_adapter(adapter_id)
+        for module in self._adapter_modules():
+            module.enable_adapters(adapter_id is not None)
         self._active = adapter_id
 
     def score(self, pairs: list[tuple[str, str]], adapter_id: str | None) -> np.ndarray:
@@ -111,6 +112,43 @@ class CrossEncoderRuntime(Runtime):
         scores = self.model.predict([list(p) for p in pairs], batch_size=self.batch_size, show_progress_bar=False,
                                     convert_to_numpy=True)
         return np.asarray(scores, dtype=np.float32).reshape(len(pairs))
+
+    def score_mixed(self, pairs: list[tuple[str, str]], adapters: Sequence[str | None]) -> np.ndarray:
+        if len(adapters) != len(pairs):
+            raise ValueError(f"{len(pairs)} pairs but {len(adapters)} adapter ids")
+        missing = sorted({a for a in adapters if a is not None and a not in self._adapters})
+        if missing:
+            raise KeyError(f"adapters {', '.join(map(repr, missing))} are not loaded on base {self.spec.name!r}")
+        if not pairs:
+            return np.zeros(0, dtype=np.float32)
+        if len(set(adapters)) == 1:
+            return self.score(pairs, adapters[0])
+        import torch
+        from sentence_transformers.util import batch_to_device
+
+        from lorafleet.sidecar.st_lora import BASE_ROW, named_rows
+
+        # The named rows need the adapter layers and head wrappers enabled: which adapter is active does not matter.
+        self._activate(next(a for a in adapters if a is not None))
+        model = self.model
+        with named_rows(self._adapter_modules(), [BASE_ROW if a is None else a for a in adapters]), \
+                torch.inference_mode():
+            features = batch_to_device(model.preprocess([list(p) for p in pairs]), model.device)
+            scores = model(features)["scores"].float()  # as predict: its activation, one label squeezed
+            if model.activation_fn is not None:
+                scores = model.activation_fn(scores)
+            return scores.reshape(len(pairs)).cpu().numpy().astype(np.float32, copy=False)
+
+    def _adapter_modules(self) -> list[Any]:
+        """The LoRA layers and the head's wrappers: the modules that take `adapter_names` (found once per adapter
+        set: a walk over the model)."""
+        if self._modules is None:
+            from peft.tuners.tuners_utils import BaseTunerLayer
+            from peft.utils.other import AuxiliaryTrainingWrapper
+
+            kinds = (BaseTunerLayer, AuxiliaryTrainingWrapper)
+            self._modules = [m for m in self.model.model.modules() if isinstance(m, kinds)]
+        return self._modules
 
     def load_adapter(self, adapter_id: str, path: str) -> None:
         if adapter_id in self._adapters:
@@ -126,11 +164,13 @@ class CrossEncoderRuntime(Runtime):
             raise AdapterUnavailable(f"adapter {adapter_id!r} does not fit base {self.spec.name!r}: {exc}") from exc
         self._adapters.append(adapter_id)
         self._active = _UNKNOWN  # loading may change the active adapter: set it again
+        self._modules = None
 
     def _forget(self, adapter_id: str) -> None:
         with contextlib.suppress(Exception):  # nothing of it may have been added
             self.model.model.delete_adapter(adapter_id)
         self._active = _UNKNOWN
+        self._modules = None
 
     def unload_adapter(self, adapter_id: str) -> None:
         if adapter_id not in self._adapters:
@@ -138,6 +178,7 @@ class CrossEncoderRuntime(Runtime):
         self._adapters.remove(adapter_id)
         self.model.model.delete_adapter(adapter_id)
         self._active = _UNKNOWN  # deleting may change the active adapter
+        self._modules = None
 
     def loaded_adapters(self) -> list[str]:
         return list(self._adapters)

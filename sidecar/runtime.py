@@ -109,8 +109,8 @@ class Runtime(ABC):
     """One base model plus adapters, behind the capabilities it declares."""
 
     capabilities: ClassVar[frozenset[str]] = frozenset()
-    # True when `encode_mixed` computes rows of different adapters in one forward pass; the worker then forms
-    # batches per base instead of per (base, adapter).
+    # True when `encode_mixed` (or `score_mixed`) computes rows of different adapters in one forward pass; the
+    # worker then forms batches per base instead of per (base, adapter).
     mixed_adapters: ClassVar[bool] = False
     # The precision the base is served at (lorafleet.precision): set by a runtime that resolves its spec's.
     precision: str = "fp32"
@@ -157,6 +157,20 @@ class Runtime(ABC):
         """float32 array (len(pairs),): the relevance of each (query, document) pair (score); adapter_id None
         means the bare base. Pairs longer than the model's max length are truncated by the runtime."""
         raise NotImplementedError(f"{type(self).__name__} does not score")
+
+    def score_mixed(self, pairs: list[tuple[str, str]], adapters: Sequence[str | None]) -> np.ndarray:
+        """Like `score`, with one adapter id per pair (None: the bare base), in input order. Every named adapter is
+        loaded. The default runs one `score` per adapter; a runtime that sets `mixed_adapters` does it in one
+        forward pass, with the same scores."""
+        if len(adapters) != len(pairs):
+            raise ValueError(f"{len(pairs)} pairs but {len(adapters)} adapter ids")
+        rows: dict[str | None, list[int]] = {}
+        for i, adapter in enumerate(adapters):
+            rows.setdefault(adapter, []).append(i)
+        out = np.empty(len(pairs), dtype=np.float32)
+        for adapter, idx in rows.items():
+            out[idx] = self.score([pairs[i] for i in idx], adapter)
+        return out
 
     # -- adapters --------------------------------------------------------------------------------------
     @abstractmethod

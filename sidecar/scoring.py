@@ -6,6 +6,9 @@ of every task in the batch are flattened and cut into runtime calls under the ba
 one forward pass and a long chunk does not pad everyone else's. Every pair of a chunk is estimated at
 the chunk's longest (`Task.tokens` / documents), what the gateway counted.
 
+A mixed batch (tasks of several adapters of one base, formed when the runtime computes them together) passes
+each pair's adapter along (`Runtime.score_mixed`), so one call serves pairs of many adapters.
+
 A call that fails is retried task by task, so one bad chunk (or an OOM on a large call) fails only
 itself. A runtime that does not declare `score` refuses the task (`invalid_request`), never retried.
 """
@@ -44,10 +47,17 @@ def cut_pairs(lengths: list[int], budget: int) -> list[list[int]]:
     return calls
 
 
-def _scores(runtime: Runtime, pairs: list[Pair], lengths: list[int], budget: int, adapter: str | None) -> np.ndarray:
+def _scores(runtime: Runtime, pairs: list[Pair], lengths: list[int], budget: int,
+            adapters: str | list[str | None] | None) -> np.ndarray:
+    """`adapters`: the batch's one adapter, or one per pair (a mixed batch)."""
     out = np.empty(len(pairs), dtype=np.float32)
     for call in cut_pairs(lengths, budget):
-        got = np.asarray(runtime.score([pairs[i] for i in call], adapter), dtype=np.float32)
+        chunk = [pairs[i] for i in call]
+        if isinstance(adapters, list):
+            got = runtime.score_mixed(chunk, [adapters[i] for i in call])
+        else:
+            got = runtime.score(chunk, adapters)
+        got = np.asarray(got, dtype=np.float32)
         if got.shape != (len(call),):
             raise RuntimeError(f"runtime returned shape {got.shape} for {len(call)} pairs")
         out[call] = got
@@ -70,8 +80,12 @@ def score_batch(runtime: Runtime, batch: Batch, live: list[int]) -> list[Outcome
         pairs.extend((task.text, d) for d in ds)
         lengths.extend([per_pair] * len(ds))
     budget = batch.profile.max_batch_tokens
+    per_task = [t.adapter if batch.mixed else batch.adapter for t in tasks]
+    adapters: str | list[str | None] | None = batch.adapter
+    if batch.mixed:
+        adapters = [a for a, (lo, hi) in zip(per_task, spans, strict=True) for _ in range(hi - lo)]
     try:
-        scores = _scores(runtime, pairs, lengths, budget, batch.adapter)
+        scores = _scores(runtime, pairs, lengths, budget, adapters)
         return [Outcome(Situation.OK, scores=Scores(np.ascontiguousarray(scores[a:b], dtype="<f4").tobytes()))
                 for a, b in spans]
     except Exception as exc:
@@ -80,9 +94,9 @@ def score_batch(runtime: Runtime, batch: Batch, live: list[int]) -> list[Outcome
             return [Outcome(Situation.RUNTIME_FAILED, message=f"{type(exc).__name__}: {exc}")]
         log.warning("score batch of %d tasks failed (%r); retrying them one by one", len(tasks), exc)
     out: list[Outcome] = []
-    for a, b in spans:
+    for (a, b), adapter in zip(spans, per_task, strict=True):
         try:
-            s = _scores(runtime, pairs[a:b], lengths[a:b], budget, batch.adapter)
+            s = _scores(runtime, pairs[a:b], lengths[a:b], budget, adapter)
             out.append(Outcome(Situation.OK, scores=Scores(np.ascontiguousarray(s, dtype="<f4").tobytes())))
         except Exception as exc:
             out.append(Outcome(Situation.RUNTIME_FAILED, message=f"{type(exc).__name__}: {exc}"))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
@@ -158,6 +158,25 @@ class LoraSlots:
         finally:
             for handle in handles:
                 handle.remove()
+
+
+@contextmanager
+def named_rows(modules: Iterable[Any], names: list[str]) -> Iterator[None]:
+    """Pass `adapter_names` (row i's adapter, BASE_ROW for the bare base) to each module's forward, as peft's
+    `_enable_peft_forward_hooks` does: peft's LoRA layers and modules_to_save wrappers then apply row i's adapter to
+    row i only (its mixed-batch forward). The modules must have their adapters enabled."""
+    def inject(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        kwargs["adapter_names"] = names
+        return args, kwargs
+
+    handles = []
+    try:
+        for module in modules:
+            handles.append(module.register_forward_pre_hook(inject, with_kwargs=True))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _bare_rows(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], n: int) -> tuple[Any, Any]:

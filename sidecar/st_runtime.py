@@ -13,8 +13,8 @@ import logging
 import os
 import time
 import warnings
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from functools import partial
 from pathlib import Path
 from pickle import UnpicklingError
@@ -305,22 +305,10 @@ class SentenceTransformerRuntime(Runtime):
             self._lora_modules = [m for m in self.model.modules() if isinstance(m, kinds)]
         return self._lora_modules
 
-    @contextmanager
-    def _adapter_names(self, names: list[str]) -> Iterator[None]:
-        """Pass `adapter_names` to every LoRA layer's forward, as peft's `_enable_peft_forward_hooks` does."""
-        def inject(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], names: list[str]) -> tuple[Any, Any]:
-            kwargs["adapter_names"] = names
-            return args, kwargs
+    def _adapter_names(self, names: list[str]) -> AbstractContextManager[None]:
+        from lorafleet.sidecar.st_lora import named_rows
 
-        hook = partial(inject, names=names)
-        handles = []
-        try:
-            for module in self._adapter_modules():
-                handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
+        return named_rows(self._adapter_modules(), names)
 
     def _refuse_on_int8(self, adapter_id: str) -> None:
         if self.precision == "int8":  # peft's LoRA layers wrap nn.Linear; quantisation replaced those

@@ -7,7 +7,7 @@ import itertools
 
 from lorafleet.config import ServingProfile
 from lorafleet.sidecar.batcher import Batch, ProfileFor, Pulled, form_batches, padded_cost, split_group
-from lorafleet.wire import GENERATE, Task
+from lorafleet.wire import GENERATE, SCORE, Task
 
 _ids = itertools.count()
 
@@ -102,6 +102,17 @@ def test_generate_tasks_are_never_mixed() -> None:
     batches = form_batches(items, fixed(ServingProfile()), MIXED)
     assert [(b.op, b.adapter, b.mixed, len(b)) for b in batches] == [
         (GENERATE, "a", False, 2), (GENERATE, "b", False, 1), ("embed", None, True, 2)]
+
+
+def test_score_tasks_of_a_mixed_base_are_mixed_apart_from_embed_tasks() -> None:
+    # Rerank chunks of many adapters share a batch (before: one batch per adapter); never with embed tasks.
+    items = [pulled(4, adapter="a", op=SCORE), pulled(4, adapter="b", op=SCORE), pulled(4, adapter="a"),
+             pulled(4, op=SCORE), pulled(4, adapter="b")]
+    batches = form_batches(items, fixed(ServingProfile()), MIXED)
+    assert [(b.op, b.adapter, b.mixed, [p.task.adapter for p in b.items]) for b in batches] == [
+        (SCORE, None, True, ["a", "b", None]), ("embed", None, True, ["a", "b"])]
+    assert [(b.adapter, b.mixed) for b in form_batches(items[:2], fixed(ServingProfile()))] == [
+        ("a", False), ("b", False)]
 
 
 def test_max_batch_adapters_cuts_a_mixed_batch() -> None:

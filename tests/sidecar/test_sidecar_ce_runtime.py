@@ -13,9 +13,12 @@ import pytest
 from lorafleet import wire
 from lorafleet.adapters import AdapterUnavailable
 from lorafleet.config import BaseModelSpec
+from lorafleet.sidecar.acks import Situation
+from lorafleet.sidecar.batcher import Batch, Pulled, form_batches
 from lorafleet.sidecar.ce_runtime import CrossEncoderRuntime, load_cross_encoder
 from lorafleet.sidecar.runtime import runtime_class
 from lorafleet.sidecar.scoring import cut_pairs
+from lorafleet.sidecar.settle import Outcome
 
 PAIRS = [("wer zahlt den Kaufpreis?", "Der Käufer ist verpflichtet, den Kaufpreis zu zahlen."),
          ("wer zahlt den Kaufpreis?", "kurz"),
@@ -97,6 +100,71 @@ def test_base_and_adapters_equal_crossencoder_predict(
     np.testing.assert_allclose(rt.score(PAIRS, "b"), refs["b"], rtol=0, atol=1e-6)
     np.testing.assert_allclose(rt.score(PAIRS, None), refs[None], rtol=0, atol=1e-6)
     rt.close()
+
+
+def test_mixed_pairs_score_as_their_own_adapter_and_head(
+        tiny_model_dir: Path, adapters: tuple[dict[str, Path], dict[str | None, np.ndarray]]) -> None:
+    """One forward pass over pairs of two adapters and the bare base (peft's mixed-batch forward, heads included)
+    equals one `score` per adapter."""
+    from lorafleet.sidecar.runtime import Runtime
+
+    paths, refs = adapters
+    rt = runtime(tiny_model_dir)
+    assert rt.mixed_adapters
+    rt.load_adapter("a", str(paths["a"]))
+    rt.load_adapter("b", str(paths["b"]))
+    rows = [(i, a) for a in ("b", None, "a") for i in range(len(PAIRS))]
+    rows = rows[1::2] + rows[::2]  # interleaved: neighbours differ
+    pairs, names = [PAIRS[i] for i, _ in rows], [a for _, a in rows]
+    want = np.array([refs[a][i] for i, a in rows], dtype=np.float32)
+    got = rt.score_mixed(pairs, names)
+    assert got.dtype == np.float32 and got.shape == (len(rows),)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(Runtime.score_mixed(rt, pairs, names), want, rtol=0, atol=1e-5)  # the per-adapter way
+    # The mixed pass leaves no adapter switched on or off behind it.
+    for adapter in (None, "a", "b"):
+        np.testing.assert_allclose(rt.score(PAIRS, adapter), refs[adapter], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(rt.score_mixed(pairs, names), want, rtol=0, atol=1e-5)
+    with pytest.raises(KeyError, match="'c'"):
+        rt.score_mixed(PAIRS[:2], ["a", "c"])
+    with pytest.raises(ValueError, match="adapter ids"):
+        rt.score_mixed(PAIRS[:2], ["a"])
+
+
+def test_a_mixed_score_batch_answers_each_task_with_its_adapter(
+        tiny_model_dir: Path, adapters: tuple[dict[str, Path], dict[str | None, np.ndarray]]) -> None:
+    from dataclasses import replace
+
+    from lorafleet.config import ServingProfile
+    from lorafleet.sidecar.scoring import score_batch
+
+    paths, refs = adapters
+    rt = runtime(tiny_model_dir)
+    rt.load_adapter("a", str(paths["a"]))
+    rt.load_adapter("b", str(paths["b"]))
+    queries = sorted({q for q, _ in PAIRS})
+    tasks = []
+    for n, adapter in enumerate(["a", None, "b", "a", "b"]):
+        query = queries[n % 2]
+        docs = tuple(d for q, d in PAIRS if q == query)
+        tasks.append(Pulled(wire.Task(id=f"r.{n}", request_id="r", index=n, model="m", base="tiny-ce", text=query,
+                                      tokens=40, deadline=1e12, reply="_INBOX.x", op=wire.SCORE, adapter=adapter,
+                                      params=wire.ScoreParams(docs).to_params()), msg=None))
+    batches = form_batches(tasks, lambda base, adapter: ServingProfile(), frozenset({"tiny-ce"}))
+    assert len(batches) == 1 and batches[0].mixed
+    # Whole, and cut into runtime calls of 2 pairs (2 × 20 tokens: each task claims 40 for its 2 documents).
+    for batch in (batches[0], replace(batches[0], profile=ServingProfile(max_batch_tokens=40))):
+        outcomes = score_batch(rt, batch, list(range(len(batch.items))))
+        _check(batch, outcomes, refs)
+
+
+def _check(batch: Batch, outcomes: list[Outcome], refs: dict[str | None, np.ndarray]) -> None:
+    for p, outcome in zip(batch.items, outcomes, strict=True):
+        assert outcome.situation is Situation.OK and outcome.scores is not None, outcome
+        query = p.task.text
+        want = [refs[p.task.adapter][i] for i, (q, _) in enumerate(PAIRS) if q == query]
+        got = np.frombuffer(outcome.scores.data, dtype="<f4")
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5, err_msg=str(p.task.adapter))
 
 
 def test_saved_adapter_carries_its_head_and_reloads_identically(
