@@ -3,7 +3,9 @@
 - speed: `/v1/rerank` with 1 query × 50 documents at concurrency 8 (a real cluster: nats-server, gateway,
   one cross-encoder worker), pairs/s against raw `CrossEncoder.predict` at its best batch size with the
   worker's thread count, measured in this process before and after the cluster (the better is the
-  ceiling, and nothing else of the benchmark runs meanwhile). Target ≥ 0.85× the ceiling.
+  ceiling, and nothing else of the benchmark runs meanwhile). Target ≥ 0.85× the ceiling. With `--infinity`,
+  infinity-emb's `/rerank` on the same model (saved as a sequence classifier with the same seeded head) under
+  the same load and thread count, after the cluster.
 - mixed adapters: 16 reranker LoRAs (each with its own head) on one base, small requests spread over
   them at concurrency 16; the worker with `mixed_adapter_batches: true` against one adapter per batch.
   Target ≥ 2×.
@@ -134,10 +136,39 @@ def run_speed(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     raw.append(raw_predict(model, pairs, args.batch_sizes, threads))
     ceiling = max(r["best_pairs_per_s"] for r in raw)
     pairs_s = load.throughput * args.docs
-    return {"documents": args.docs, "concurrency": args.concurrency, "profile": profile, "threads": threads,
-            "served": {**load.summary(), "pairs_per_s": round(pairs_s, 1), "loadavg": served_load},
-            "raw": raw, "ceiling_pairs_per_s": ceiling, "ratio": round(pairs_s / ceiling, 3) if ceiling else None,
-            "target": 0.85}
+    out = {"documents": args.docs, "concurrency": args.concurrency, "profile": profile, "threads": threads,
+           "served": {**load.summary(), "pairs_per_s": round(pairs_s, 1), "loadavg": served_load},
+           "raw": raw, "ceiling_pairs_per_s": ceiling, "ratio": round(pairs_s / ceiling, 3) if ceiling else None,
+           "target": 0.85}
+    if args.infinity:
+        try:
+            out["infinity"] = run_infinity(args, work, model, bodies, threads)
+            out["infinity"]["lorafleet_ratio"] = round(pairs_s / out["infinity"]["pairs_per_s"], 3)
+        except Exception as exc:  # infinity is a peer to report, not a part that fails the rest
+            out["infinity"] = {"error": f"{type(exc).__name__}: {exc}"}
+    return out
+
+
+def run_infinity(args: argparse.Namespace, work: Path, model: Any, bodies: list[bytes],
+                 threads: int) -> dict[str, Any]:
+    """infinity-emb's /rerank on the same cross-encoder (saved with its seeded head, so it loads as a sequence
+    classifier and infinity serves it as a reranker), the same bodies, concurrency and duration."""
+    from lorafleet.bench.serve import start_infinity
+    from lorafleet.tune.loadgen import Target, closed_loop
+
+    model_dir = work / "infinity-ce"
+    model.save_pretrained(str(model_dir))
+    c = start_infinity(work, str(model_dir), args.infinity_batch_size, threads)
+    try:
+        served = [json.dumps({**json.loads(b), "model": "all-MiniLM-L6-v2"}).encode() for b in bodies]
+        target = Target(c.host, c.port, "/rerank", lambda i: served[i % len(served)], content_type="application/json")
+        _run_async(closed_loop(target, args.concurrency, args.warmup_s))
+        say(f"  infinity-emb /rerank 1×{args.docs} at concurrency {args.concurrency} for {args.duration_s:g}s…")
+        load = _run_async(closed_loop(target, args.concurrency, args.duration_s))
+    finally:
+        c.stop()
+    return {**load.summary(), "pairs_per_s": round(load.throughput * args.docs, 1), "threads": threads,
+            "batch_size": args.infinity_batch_size, "started_s": round(c.started_s, 1), "loadavg": loadavg()}
 
 
 def _adapters(model: str, n: int, out: Path) -> list[Path]:
@@ -258,6 +289,9 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--warmup-s", type=float, default=3.0)
     p.add_argument("--raw-pairs", type=int, default=400)
     p.add_argument("--batch-sizes", default="16,32,64,128")
+    p.add_argument("--infinity", action="store_true", help="speed: also infinity-emb's /rerank on the same model "
+                   "(its own venv, created on first use: a few minutes).")
+    p.add_argument("--infinity-batch-size", type=int, default=32)
     p.add_argument("--items", type=int, default=8, help="Worker profile: max_batch_items (tasks per batch).")
     p.add_argument("--tokens", type=int, default=16384, help="Worker profile: max_batch_tokens.")
     p.add_argument("--adapters", type=int, default=16)
@@ -316,6 +350,10 @@ def print_table(out: dict[str, Any]) -> None:
         rows.append((f"speed: /v1/rerank 1×{s['documents']} @ c{s['concurrency']} (pairs/s)",
                      s["served"]["pairs_per_s"], f"raw predict best {s['ceiling_pairs_per_s']}", s["ratio"],
                      s["target"]))
+        inf = s.get("infinity")
+        if inf and "error" not in inf:
+            rows.append(("speed: infinity-emb /rerank, same load (pairs/s)", inf["pairs_per_s"],
+                         f"lorafleet {s['served']['pairs_per_s']}", inf["lorafleet_ratio"], None))
     if "mixed" in out and "error" not in out["mixed"]:
         m = out["mixed"]
         rows.append((f"mixed: {m['adapters']} adapters, mixed batches (pairs/s)", m["modes"]["mixed"]["pairs_per_s"],
