@@ -31,7 +31,7 @@ import numpy as np
 from lorafleet.adapters import AdapterUnavailable
 from lorafleet.config import BaseModelSpec
 from lorafleet.models import resolve_model_source
-from lorafleet.sidecar.runtime import Runtime
+from lorafleet.sidecar.runtime import Runtime, check_row_adapters
 from lorafleet.wire import SCORE
 
 log = logging.getLogger(__name__)
@@ -114,11 +114,7 @@ class CrossEncoderRuntime(Runtime):
         return np.asarray(scores, dtype=np.float32).reshape(len(pairs))
 
     def score_mixed(self, pairs: list[tuple[str, str]], adapters: Sequence[str | None]) -> np.ndarray:
-        if len(adapters) != len(pairs):
-            raise ValueError(f"{len(pairs)} pairs but {len(adapters)} adapter ids")
-        missing = sorted({a for a in adapters if a is not None and a not in self._adapters})
-        if missing:
-            raise KeyError(f"adapters {', '.join(map(repr, missing))} are not loaded on base {self.spec.name!r}")
+        check_row_adapters(len(pairs), "pairs", adapters, self._adapters, self.spec.name)
         if not pairs:
             return np.zeros(0, dtype=np.float32)
         if len(set(adapters)) == 1:

@@ -33,7 +33,7 @@ Contract (both):
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
@@ -105,6 +105,17 @@ class TokenSink(Protocol):
         with the finish reason `ABORTED`."""
 
 
+def check_row_adapters(rows: int, what: str, adapters: Sequence[str | None], loaded: Collection[str] | None = None,
+                       base: str | None = None) -> None:
+    """A mixed call's adapter ids: one per row (ValueError), and, given `loaded`, each named one loaded (KeyError)."""
+    if len(adapters) != rows:
+        raise ValueError(f"{rows} {what} but {len(adapters)} adapter ids")
+    if loaded is not None:
+        missing = sorted({a for a in adapters if a is not None and a not in loaded})
+        if missing:
+            raise KeyError(f"adapters {', '.join(map(repr, missing))} are not loaded on base {base!r}")
+
+
 class Runtime(ABC):
     """One base model plus adapters, behind the capabilities it declares."""
 
@@ -135,8 +146,7 @@ class Runtime(ABC):
         """Like `encode`, with one adapter id per row (None: the bare base), rows in input order. Every named
         adapter is loaded. The default runs one `encode` per adapter; a runtime that sets `mixed_adapters`
         does it in one forward pass, with the same vectors."""
-        if len(adapters) != len(texts):
-            raise ValueError(f"{len(texts)} texts but {len(adapters)} adapter ids")
+        check_row_adapters(len(texts), "texts", adapters)
         rows: dict[str | None, list[int]] = {}
         for i, adapter in enumerate(adapters):
             rows.setdefault(adapter, []).append(i)
@@ -162,8 +172,7 @@ class Runtime(ABC):
         """Like `score`, with one adapter id per pair (None: the bare base), in input order. Every named adapter is
         loaded. The default runs one `score` per adapter; a runtime that sets `mixed_adapters` does it in one
         forward pass, with the same scores."""
-        if len(adapters) != len(pairs):
-            raise ValueError(f"{len(pairs)} pairs but {len(adapters)} adapter ids")
+        check_row_adapters(len(pairs), "pairs", adapters)
         rows: dict[str | None, list[int]] = {}
         for i, adapter in enumerate(adapters):
             rows.setdefault(adapter, []).append(i)

@@ -39,7 +39,7 @@ from lorafleet.precision import (
 )
 from lorafleet.sidecar.batcher import padding_cuts
 from lorafleet.sidecar.pull import BatchTime
-from lorafleet.sidecar.runtime import AdapterWeights, Runtime
+from lorafleet.sidecar.runtime import AdapterWeights, Runtime, check_row_adapters
 from lorafleet.wire import EMBED
 
 log = logging.getLogger(__name__)
@@ -250,11 +250,7 @@ class SentenceTransformerRuntime(Runtime):
         return self._named_rows(texts, [adapter_id] * len(texts))
 
     def encode_mixed(self, texts: list[str], adapters: Sequence[str | None]) -> np.ndarray:
-        if len(adapters) != len(texts):
-            raise ValueError(f"{len(texts)} texts but {len(adapters)} adapter ids")
-        missing = sorted({a for a in adapters if a is not None and a not in self._adapters})
-        if missing:
-            raise KeyError(f"adapters {', '.join(map(repr, missing))} are not loaded on base {self.spec.name!r}")
+        check_row_adapters(len(texts), "texts", adapters, self._adapters, self.spec.name)
         if not texts:
             return np.zeros((0, self.dim), dtype=np.float32)
         if len(set(adapters)) == 1:
