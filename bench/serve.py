@@ -289,7 +289,9 @@ def start_user_path(work: Path, routes: list[str], threads: int | None,
            **({"LORAFLEET_SORT_WINDOW": "1"} if variant in ("old", "nowindow") else {"LORAFLEET_SORT_WINDOW": "2"}
               if variant in ("nocuts", "window") else {}),
            **({"LORAFLEET_PASS_CUTS": "0"} if variant in ("old", "nocuts") else {}),
-           **({"LORAFLEET_PASS_CUTS": "1"} if variant == "cuts" else {})}
+           **({"LORAFLEET_PASS_CUTS": "1"} if variant == "cuts" else {}),
+           # `:passive`: OpenMP threads sleep at a barrier instead of spinning (libgomp's OMP_WAIT_POLICY).
+           **({"OMP_WAIT_POLICY": "PASSIVE"} if variant == "passive" else {})}
     fleet = load_fleet(DEFAULT_FLEET if DEFAULT_FLEET.is_file() else None)
     if variant.startswith("b") and variant[1:].isdigit():  # `auto:b32`: the fleet file with another batch size
         worker = fleet.worker.model_copy(update={"profile": fleet.worker.profile.model_copy(
@@ -539,7 +541,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "base at, each measured in turn (`lorafleet@bf16`); default: the base's auto. For the user's "
                         "path, one cluster per precision, all measured in alternation (`openai-base64@fp32`; auto is "
                         "plain `openai-base64`), and `auto:old` / `fp32:old` add the worker's batching as it was "
-                        "before issue 27 (one batch per pull, one forward pass per batch).")
+                        "before issue 27 (one batch per pull, one forward pass per batch); `:passive` sets "
+                        "OMP_WAIT_POLICY=PASSIVE in the cluster (OpenMP threads sleep at barriers, not spin).")
     p.add_argument("--rounds", type=int, default=1,
                    help="User path: measure each concurrency this many times, the routes and precisions taking turns "
                         "(the median round is reported).")

@@ -206,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
                    "train-generation.json for --kind generation).")
     p.add_argument("--precision", default=None,
                    help="Compare training precisions instead of arms, e.g. fp32,bf16: the config's own training "
-                   "(train_adapter / train_generation) at each, side by side (bench/train_precision.py).")
+                   "(train_adapter / train_generation) at each, side by side (bench/train_precision.py). An arm may "
+                   "pin the dropout masks: fp32:torch,fp32,bf16 adds fp32 with torch's own masks.")
     p.add_argument("--config", type=Path, default=None, help="With --precision: the config whose train: section "
                    "runs (default configs/german-legal.yaml, or german-legal-headings.yaml for --kind generation).")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -295,8 +296,14 @@ def _precision(args: argparse.Namespace, threads: int) -> int:
         args.child_out.write_text(json.dumps(res))
         return 0
     precisions = args.precision.split(",")
-    if not set(precisions) <= {"fp32", "bf16"} or len(set(precisions)) != len(precisions):
-        print("error: --precision takes fp32 and/or bf16, comma-separated", file=sys.stderr)
+    try:
+        for arm in precisions:
+            tp.parse_arm(arm)
+    except ValueError as exc:
+        print(f"error: --precision: {exc}", file=sys.stderr)
+        return 2
+    if len(set(precisions)) != len(precisions):
+        print("error: --precision names an arm twice", file=sys.stderr)
         return 2
     info = machine_info()
     say(f"bench/train --precision {args.precision}: {args.kind}, {config.name} {' '.join(args.overrides)}; "

@@ -44,11 +44,21 @@ QUICK = {
 HEADLINE = {"retrieval": "test_ndcg@10", "generation": "test_rouge_l"}
 
 
-def load_config(kind: str, path: Path, overrides: list[str], quick: bool, precision: str) -> Any:
+def parse_arm(arm: str) -> tuple[str, str | None]:
+    """`fp32`, `bf16`, or either with the dropout masks pinned (`fp32:torch`, `bf16:fast`): (precision, masks)."""
+    precision, _, masks = arm.partition(":")
+    if precision not in ("fp32", "bf16") or masks not in ("", "fast", "torch"):
+        raise ValueError(f"{arm!r}: an arm is fp32 or bf16, optionally with :torch or :fast (the dropout masks)")
+    return precision, masks or None
+
+
+def load_config(kind: str, path: Path, overrides: list[str], quick: bool, arm: str) -> Any:
     from lorafleet.config import apply_overrides, read_yaml, validate_model
 
+    precision, masks = parse_arm(arm)
     raw = read_yaml(path)["train"]
-    raw = apply_overrides(raw, [*(QUICK[kind] if quick else []), *overrides, f"precision={precision}", "device=cpu"])
+    raw = apply_overrides(raw, [*(QUICK[kind] if quick else []), *overrides, f"precision={precision}", "device=cpu",
+                                *([f"dropout_masks={masks}"] if masks else [])])
     if kind == "generation":
         from lorafleet.train.generation_config import GenerationTrainConfig
 
@@ -96,10 +106,12 @@ def retrieval_ceiling(cfg: Any, dataset: Any) -> dict[str, Any]:
     """Forward and backward of MiniLM + LoRA on one training batch: anchors, positives, one negative each."""
     import torch
 
+    from lorafleet.train.dropout import use_fast_dropout
     from lorafleet.train.trainer import _add_lora, load_base_model
 
     model = load_base_model(cfg.base_model, "cpu", cfg.max_seq_length)
     _add_lora(model, cfg)
+    use_fast_dropout(model, "cpu", cfg.dropout_masks)  # the masks the training loop draws
     model.train()
     pairs = dataset.train_pairs()[: cfg.batch_size]
     texts = [[q for q, _ in pairs], [p for _, p in pairs], [p for _, p in pairs[1:] + pairs[:1]]]
@@ -121,10 +133,12 @@ def generation_ceiling(cfg: Any, dataset: Any) -> dict[str, Any]:
     from peft import get_peft_model
 
     from lorafleet.train.causal_lm import load_causal_base
+    from lorafleet.train.dropout import use_fast_dropout
     from lorafleet.train.generation import lora_config
 
     model, tok = load_causal_base(cfg.base_model, "cpu", cfg.dtype, chat_template=cfg.chat_template)
     model = get_peft_model(model, lora_config(cfg))
+    use_fast_dropout(model, "cpu", cfg.dropout_masks)
     model.train()
     convs = [row["messages"] for row in dataset.data["train"]][: cfg.batch_size]
     ids = [tok.apply_chat_template(c, tokenize=True, return_dict=True)["input_ids"][: cfg.max_length] for c in convs]
@@ -244,6 +258,21 @@ def summarise(kind: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         })
         if kind == "generation" and a.get("train_tokens_per_s") and b.get("train_tokens_per_s"):
             out["bf16 speed-up, training tokens/s"] = round(b["train_tokens_per_s"] / a["train_tokens_per_s"], 2)
+    for arm, slow in per.items():  # `fp32:torch` beside `fp32`: what the fast dropout masks change
+        precision, masks = parse_arm(arm)
+        fast = per.get(precision)
+        if masks != "torch" or fast is None:
+            continue
+        for key, label in (("train_s", "wall"), ("train_cpu_s", "CPU seconds")):
+            if slow.get(key) and fast.get(key):
+                out[f"{precision}: fast dropout masks speed-up, training loop ({label})"] = \
+                    round(slow[key] / fast[key], 2)
+        head = HEADLINE[kind]
+        if slow[head] is not None and fast[head] is not None:
+            out[f"{precision}: fast − torch masks {head}"] = round(fast[head] - slow[head], 4)
+    old = per.get("fp32:torch")
+    if old and b and old.get("train_s") and b.get("train_s"):
+        out["bf16 with fast masks against fp32 with torch's (wall)"] = round(old["train_s"] / b["train_s"], 2)
     return out
 
 

@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from lorafleet.config import PACKAGED_MINILM, ConfigError, StrictModel, apply_overrides, read_yaml, validate_model
+from lorafleet.train.dropout import DROPOUT_MASKS_HELP, DropoutMasks
 from lorafleet.train.tables import TableRef
 
 QueryKind = Literal["heading", "citation"]
@@ -168,6 +169,7 @@ class TrainConfig(StrictModel):
     seed: int = 42
     device: str = Field("auto", description="'auto' (CUDA when present, else CPU), 'cpu', 'cuda', 'cuda:0', …")
     precision: TrainPrecision = Field("fp32", description=PRECISION_HELP)
+    dropout_masks: DropoutMasks = Field("fast", description=DROPOUT_MASKS_HELP)
     eval_batch_size: int = Field(32, ge=1)
     price_per_hour_usd: float = Field(0.10, ge=0, description="Machine price, for the run's estimated cost.")
 

@@ -23,6 +23,7 @@ from lorafleet.device import resolve_device
 from lorafleet.tasks import EpochCallback, TrainResult
 from lorafleet.train.causal_lm import describe_base, load_causal_base, resolve_dtype
 from lorafleet.train.config import resolve_training_precision
+from lorafleet.train.dropout import use_fast_dropout
 from lorafleet.train.generation_config import GenerationLoraSettings, GenerationTrainConfig, load_generation_config
 from lorafleet.train.generation_eval import StepProgress, generate_answers, text_metrics
 from lorafleet.train.headings import HeadingsDataset
@@ -264,11 +265,12 @@ def _run_sft(cfg: GenerationTrainConfig, dataset: HeadingsDataset, out_dir: Path
     if max_steps is not None:
         trainer.args.max_steps = max_steps
     trained = trainer.model
+    swapped = use_fast_dropout(trained, device, cfg.dropout_masks)
     n_trainable = sum(p.numel() for p in trained.parameters() if p.requires_grad)
     tokens = _train_tokens(trainer)
     log.info("training %s: %d examples (%d tokens), %d epochs, %d trainable parameters, device %s, %d threads, "
-             "precision %s", "LoRA" if lora else "all weights", len(trainer.train_dataset), tokens, cfg.epochs,
-             n_trainable, device, torch.get_num_threads(), precision)
+             "precision %s, dropout masks %s", "LoRA" if lora else "all weights", len(trainer.train_dataset), tokens,
+             cfg.epochs, n_trainable, device, torch.get_num_threads(), precision, "fast" if swapped else "torch")
     try:
         trainer.train()
     finally:

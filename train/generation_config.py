@@ -11,6 +11,7 @@ from lorafleet.config import ConfigError, StrictModel, apply_overrides, read_yam
 from lorafleet.train.byo_generation import GenerationDatasetData
 from lorafleet.train.causal_lm import PACKAGED_SMOLLM2
 from lorafleet.train.config import PRECISION_HELP, TrainPrecision
+from lorafleet.train.dropout import DROPOUT_MASKS_HELP, DropoutMasks
 from lorafleet.train.headings import HeadingsDataConfig
 
 
@@ -73,6 +74,7 @@ class GenerationTrainConfig(StrictModel):
         "bfloat16 on a CUDA GPU that supports it, else float32). Weights in bfloat16 also train in bfloat16. "
         "Compare `precision`, which keeps float32 weights and computes in bf16.")
     precision: TrainPrecision = Field("fp32", description=PRECISION_HELP)
+    dropout_masks: DropoutMasks = Field("fast", description=DROPOUT_MASKS_HELP)
     eval_batch_size: int = Field(16, ge=1)
     max_new_tokens: int = Field(32, ge=1, description="Cap of a generated heading (98 % of headings fit in 32).")
     price_per_hour_usd: float = Field(0.10, ge=0, description="Machine price, for the run's estimated cost.")

@@ -31,6 +31,7 @@ from lorafleet.config import ConfigError
 from lorafleet.device import resolve_device
 from lorafleet.metrics import prefixed
 from lorafleet.tasks import EpochCallback, MetricSpec, TaskKind, TrainResult
+from lorafleet.train.dropout import use_fast_dropout
 from lorafleet.train.evaluate import TOP_K
 from lorafleet.train.rerank_config import CE_BASE_SUFFIX, RerankConfig
 from lorafleet.train.rerank_eval import (
@@ -165,6 +166,7 @@ def train_reranker(cfg: RerankConfig, dataset: RerankDataset, out_dir: Path, *, 
     set_seed(cfg.seed)
     model = load_reranker(cfg.base_model, device, cfg.max_pair_length)
     _add_lora(model, cfg)
+    swapped = use_fast_dropout(model.model, device, cfg.dropout_masks)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     epochs: list[dict[str, float]] = []
     step_losses: list[tuple[float, float]] = []
@@ -208,8 +210,8 @@ def train_reranker(cfg: RerankConfig, dataset: RerankDataset, out_dir: Path, *, 
                                   loss=_loss(cfg, model), callbacks=[_EpochEval()])
     trainer.remove_callback(PrinterCallback)
     log.info("training reranker: %d queries (%d negatives each, loss %s), %d epochs, %d trainable parameters, "
-             "first stage %s top %d, device %s", len(groups), cfg.data.num_negatives, cfg.loss, cfg.epochs, trainable,
-             cfg.first_stage.kind, cfg.first_stage.depth, device)
+             "first stage %s top %d, device %s, dropout masks %s", len(groups), cfg.data.num_negatives, cfg.loss,
+             cfg.epochs, trainable, cfg.first_stage.kind, cfg.first_stage.depth, device, "fast" if swapped else "torch")
     try:
         trainer.train()
     finally:

@@ -9,6 +9,7 @@ from pydantic import Field, field_validator, model_validator
 from lorafleet.config import PACKAGED_MINILM, StrictModel
 from lorafleet.refs import MODELS_SCHEME, parse_models_uri
 from lorafleet.train.config import DataConfig, LoraSettings, RetrievalData, TrainConfig
+from lorafleet.train.dropout import DROPOUT_MASKS_HELP, DropoutMasks
 from lorafleet.train.fusion import RRF_K
 
 FirstStageKind = Literal["bm25", "dense", "hybrid"]
@@ -63,6 +64,7 @@ class RerankConfig(StrictModel):
                                  "the served cross-encoder truncates to.")
     seed: int = 42
     device: str = Field("auto", description="'auto' (CUDA when present, else CPU), 'cpu', 'cuda', …")
+    dropout_masks: DropoutMasks = Field("fast", description=DROPOUT_MASKS_HELP)
     eval_batch_size: int = Field(64, ge=1, description="Pairs per forward pass when scoring.")
     price_per_hour_usd: float = Field(0.10, ge=0)
 

@@ -19,6 +19,7 @@ from lorafleet.progress import StepProgress, quiet_library_bars
 from lorafleet.tasks import EpochCallback, TrainResult
 from lorafleet.train.config import TrainConfig, resolve_training_precision
 from lorafleet.train.dataset import RetrievalDataset
+from lorafleet.train.dropout import use_fast_dropout
 from lorafleet.train.evaluate import DenseEvaluator
 
 log = logging.getLogger("lorafleet.train")
@@ -331,6 +332,7 @@ def train_adapter(
     model = load_base_model(cfg.base_model, device, cfg.max_seq_length)
     train_data, data_stats = _train_dataset(cfg, dataset, model)
     _add_lora(model, cfg)
+    swapped = use_fast_dropout(model, device, cfg.dropout_masks)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
 
     if cfg.loss == "cached_mnrl":
@@ -398,7 +400,8 @@ def train_adapter(
     )
     trainer.remove_callback(PrinterCallback)  # our own progress lines replace its raw dicts
     log.info("training: %d pairs (%d negatives each), %d epochs, %d trainable LoRA parameters, device %s, "
-             "precision %s", len(train_data), data_stats["train_negatives"], cfg.epochs, trainable, device, precision)
+             "precision %s, dropout masks %s", len(train_data), data_stats["train_negatives"], cfg.epochs, trainable,
+             device, precision, "fast" if swapped else "torch")
     t_train, c_train = time.perf_counter(), time.process_time()
     try:
         trainer.train()

@@ -40,3 +40,23 @@ def test_train_precision_quick_writes_results(run_quick) -> None:  # type: ignor
     assert all(0.0 <= r["metrics"]["test_ndcg@10"] <= 1.0 and r["metrics"]["train_s"] > 0 for r in runs.values())
     assert all(r["ceiling"]["speedup"] > 0 for r in runs.values())
     assert "bf16 speed-up, training loop (wall)" in data["summary"]
+
+
+def test_precision_arms_may_pin_the_dropout_masks() -> None:
+    from lorafleet.bench.train_precision import parse_arm, summarise
+
+    assert parse_arm("fp32") == ("fp32", None) and parse_arm("bf16:torch") == ("bf16", "torch")
+    for bad in ("fp16", "fp32:philox"):
+        with pytest.raises(ValueError, match="fp32 or bf16"):
+            parse_arm(bad)
+
+    def run(arm: str, train_s: float, ndcg: float) -> dict[str, object]:
+        return {"precision": arm, "train_wall_s": train_s + 10, "ceiling": {"speedup": 1.2, "speedup_cpu": 1.3},
+                "metrics": {"train_s": train_s, "train_cpu_s": 2 * train_s, "test_ndcg@10": ndcg, "dev_ndcg@10": ndcg}}
+
+    runs = [run("fp32:torch", 150.0, 0.45), run("fp32", 120.0, 0.44), run("bf16", 100.0, 0.445)]
+    summary = summarise("retrieval", runs)
+    assert summary["fp32: fast dropout masks speed-up, training loop (wall)"] == 1.25
+    assert summary["fp32: fast − torch masks test_ndcg@10"] == -0.01
+    assert summary["bf16 speed-up, training loop (wall)"] == 1.2
+    assert summary["bf16 with fast masks against fp32 with torch's (wall)"] == 1.5
