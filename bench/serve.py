@@ -293,9 +293,13 @@ def start_user_path(work: Path, routes: list[str], threads: int | None,
            # `:passive`: OpenMP threads sleep at a barrier instead of spinning (libgomp's OMP_WAIT_POLICY).
            **({"OMP_WAIT_POLICY": "PASSIVE"} if variant == "passive" else {})}
     fleet = load_fleet(DEFAULT_FLEET if DEFAULT_FLEET.is_file() else None)
+    profile: dict[str, int] = {}
     if variant.startswith("b") and variant[1:].isdigit():  # `auto:b32`: the fleet file with another batch size
-        worker = fleet.worker.model_copy(update={"profile": fleet.worker.profile.model_copy(
-            update={"max_batch_items": int(variant[1:])})})
+        profile["max_batch_items"] = int(variant[1:])
+    if variant == "ahead":  # `auto:ahead`: one batch pulled while another computes
+        profile["batches_in_flight"] = 1
+    if profile:
+        worker = fleet.worker.model_copy(update={"profile": fleet.worker.profile.model_copy(update=profile)})
         fleet = fleet.model_copy(update={"worker": worker})
     # Only the ports differ from `lorafleet up` (free ones, so a running cluster is left alone).
     cluster = LocalCluster(fleet, workers=1, port=0, home=home, nats_port=free_port(), extra_env=env or None,
@@ -542,7 +546,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "path, one cluster per precision, all measured in alternation (`openai-base64@fp32`; auto is "
                         "plain `openai-base64`), and `auto:old` / `fp32:old` add the worker's batching as it was "
                         "before issue 27 (one batch per pull, one forward pass per batch); `:passive` sets "
-                        "OMP_WAIT_POLICY=PASSIVE in the cluster (OpenMP threads sleep at barriers, not spin).")
+                        "OMP_WAIT_POLICY=PASSIVE in the cluster (OpenMP threads sleep at barriers, not spin); "
+                        "`:ahead` serves with batches_in_flight 1 (a batch pulled while another computes).")
     p.add_argument("--rounds", type=int, default=1,
                    help="User path: measure each concurrency this many times, the routes and precisions taking turns "
                         "(the median round is reported).")
