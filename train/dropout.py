@@ -6,8 +6,8 @@ Mersenne Twister, ~10 ns an element. The forward pass has a dozen dropouts per l
 attention-output dropouts and one on the input of every LoRA module), each as large as the activations.
 
 `FastDropout` draws the same Bernoulli(1 - p) keep mask from a counter-based hash instead (splitmix64 over
-an index range, seeded by one draw from torch's generator): a few vectorised integer ops per eight bytes
-of mask, 16 bits per element, so p is exact to 2⁻¹⁶ and runs are reproducible under `torch.manual_seed`.
+an index range, seeded by one draw from torch's generator): a few vectorised int64 ops per four mask
+elements, 16 bits each, so p is exact to 2⁻¹⁶ and runs are reproducible under `torch.manual_seed`.
 It is statistically a dropout, not bit-identical to torch's: the same seed gives another mask. On CUDA
 torch's own dropout (Philox) is already fast, so only CPU training swaps it (`use_fast_dropout`).
 Dropout inside `scaled_dot_product_attention` (attention probabilities) stays torch's: it is not a module
@@ -16,6 +16,7 @@ and is ~3 % of a step.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 DropoutMasks = Literal["fast", "torch"]
@@ -50,9 +51,7 @@ def keep_mask(shape: tuple[int, ...], p: float, generator: Any = None) -> tuple[
     that probability, exactly (the scale of the kept elements)."""
     import torch
 
-    n = 1
-    for s in shape:
-        n *= s
+    n = math.prod(shape)
     seed = int(torch.randint(-(2**62), 2**62, (1,), generator=generator))
     drop = round(p * 65536)
     return _random_int16(n, seed).view(shape) >= drop - 32768, 1.0 - drop / 65536
