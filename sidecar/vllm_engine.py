@@ -66,6 +66,7 @@ from lorafleet.sidecar.vllm_protocol import (
     parse_metrics,
     request_body,
 )
+from lorafleet.threads import POOL_VARIABLES
 
 if TYPE_CHECKING:
     import httpx
@@ -182,6 +183,12 @@ class VllmEngine:
             LORAFLEET_VLLM_PARENT=str(os.getpid()),
         )
         if _device(c) == "cpu":
+            # vLLM pins its CPU worker to the cores it binds and sizes that worker's OpenMP team itself. A pool size
+            # inherited from this worker (lorafleet/threads.py: OMP_NUM_THREADS=2 on a 2-CPU host) put a team of
+            # two on the one core vLLM bound: greedy decoding of SmolLM2 ran 18x slower, with a LoRA 40x (0.2
+            # tokens/s, measured). An engine's own `extra_env` may still set them.
+            for name in POOL_VARIABLES:
+                env.pop(name, None)
             env["VLLM_CPU_KVCACHE_SPACE"] = str(c.kv_cache_gib)
             if c.omp_threads_bind:
                 env["VLLM_CPU_OMP_THREADS_BIND"] = c.omp_threads_bind

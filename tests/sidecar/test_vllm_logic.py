@@ -107,7 +107,9 @@ def fake_venv(tmp_path: Path) -> Path:
     return venv
 
 
-def test_command_and_env_keep_the_key_off_the_command_line(fake_venv: Path) -> None:
+def test_command_and_env_keep_the_key_off_the_command_line(fake_venv: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # what a lorafleet worker on a 2-CPU host has (lorafleet/threads.py)
+    monkeypatch.setenv("MKL_NUM_THREADS", "2")
     eng = VllmEngine(EngineConfig(model="/m", served_name="b", venv=fake_venv, device="cpu", max_loras=3,
                                   max_cpu_loras=6, max_lora_rank=8, kv_cache_gib=2, omp_threads_bind="auto"))
     cmd = eng.command()
@@ -120,6 +122,10 @@ def test_command_and_env_keep_the_key_off_the_command_line(fake_venv: Path) -> N
     env = eng._env(Path("/run"))
     assert env["VLLM_API_KEY"] == eng._key and env["PYTHONPATH"] == "/run"
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    # On CPU vLLM sizes its worker's thread team to the cores it binds; an inherited pool size would oversubscribe.
+    assert "OMP_NUM_THREADS" not in env and "MKL_NUM_THREADS" not in env
+    chosen = VllmEngine(EngineConfig(model="/m", venv=fake_venv, device="cpu", extra_env={"OMP_NUM_THREADS": "1"}))
+    assert chosen._env(Path("/run"))["OMP_NUM_THREADS"] == "1"  # set on purpose in the base's options: kept
     cuda = VllmEngine(EngineConfig(model="/m", venv=fake_venv, device="cuda", kv_cache_gib=0, enable_lora=False))
     assert "--gpu-memory-utilization 0.85" in " ".join(cuda.command()) and "--enable-lora" not in cuda.command()
     assert "VLLM_CPU_KVCACHE_SPACE" not in cuda._env(Path("/run"))
