@@ -33,6 +33,8 @@ log = logging.getLogger("lorafleet.train")
 KSHOT = "kshot"  # prefix of the k-shot baseline's metrics (the run's own base)
 OTHER_KSHOT = "other_kshot"  # prefix of the same prompt on the other packaged base
 BEST = "best"  # prefix of the best baseline's metrics, per metric: what the gate compares against
+# The system turn and the k shots are the same in every k-shot prompt: run once and cached when this long.
+PREFIX_CACHE_MIN = 64
 _OTHER_PACKAGED = {PACKAGED_SMOLLM2: PACKAGED_GEMMA3, PACKAGED_GEMMA3: PACKAGED_SMOLLM2}
 
 
@@ -109,7 +111,8 @@ def kshot_baseline(cfg: Any, dataset: HeadingsDataset, model_source: str, prefix
     answers: dict[str, list[str]] = {}
     for split in splits:
         answers[split] = generate_answers(model, tokenizer, prompts[split], batch_size=cfg.eval_batch_size,
-                                          max_new_tokens=cfg.max_new_tokens, description=f"{split}, {prefix}")
+                                          max_new_tokens=cfg.max_new_tokens, description=f"{split}, {prefix}",
+                                          prefix_cache_min=PREFIX_CACHE_MIN)
         metrics.update(prefixed(text_metrics(answers[split], dataset.references(split), split), prefix))
     return metrics, answers
 

@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import re
 import statistics
@@ -55,6 +56,17 @@ def clean_answer(text: str) -> str:
     return ""
 
 
+def shared_prefix_length(ids: Sequence[Sequence[int]]) -> int:
+    """Tokens every prompt starts with, leaving each at least one token of its own (0 for fewer than two)."""
+    if len(ids) < 2:
+        return 0
+    first, limit = ids[0], min(len(x) for x in ids) - 1
+    for i in range(limit):
+        if any(x[i] != first[i] for x in ids):
+            return i
+    return max(limit, 0)
+
+
 def generate_answers(
     model: Any,
     tokenizer: Any,
@@ -63,28 +75,54 @@ def generate_answers(
     batch_size: int = 16,
     max_new_tokens: int = 24,
     description: str = "generate",
+    prefix_cache_min: int | None = None,
 ) -> list[str]:
-    """Greedy answers to chat `prompts` (system + user messages), in input order."""
+    """Greedy answers to chat `prompts` (system + user messages), in input order.
+
+    With `prefix_cache_min`, a token prefix that every prompt shares (a k-shot prompt's system turn and shots:
+    ~85 % of its tokens) is run through the model once when it is at least that long; each batch then starts
+    from a copy of its cache and computes only its own tails, padded between prefix and tail. The mask and the
+    positions (counted over the mask) are those of the unpadded prompt, so the answers are the same up to float
+    rounding, at a fraction of the prefill.
+    """
     import torch
 
     rendered = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
-    lengths = [len(tokenizer(r, add_special_tokens=False)["input_ids"]) for r in rendered]
-    order = sorted(range(len(rendered)), key=lambda i: -lengths[i])  # longest first: a memory peak shows at once
+    ids = [tokenizer(r, add_special_tokens=False)["input_ids"] for r in rendered]
+    order = sorted(range(len(rendered)), key=lambda i: -len(ids[i]))  # longest first: a memory peak shows at once
     answers: list[str] = [""] * len(rendered)
+    shared = shared_prefix_length(ids)
+    window = getattr(getattr(model, "config", None), "sliding_window", None)
+    if isinstance(window, int) and max(map(len, ids), default=0) + max_new_tokens > window:
+        shared = 0  # pads between prefix and tail would shift a sliding window off the unpadded prompt's tokens
+    shared = shared if prefix_cache_min is not None and shared >= prefix_cache_min else 0
     side = tokenizer.padding_side
     tokenizer.padding_side = "left"  # decoder-only models continue from the last position
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
+    sampling = {"max_new_tokens": max_new_tokens, "do_sample": False, "num_beams": 1, "use_cache": True,
+                "pad_token_id": tokenizer.pad_token_id, "temperature": None, "top_p": None, "top_k": None}
     try:
         with progress(len(rendered), description) as bar, torch.inference_mode():
+            prefix_cache = None
+            if shared:
+                prefix = torch.tensor([ids[0][:shared]], device=device)
+                prefix_cache = model(input_ids=prefix, use_cache=True).past_key_values
+                log.info("%s: %d prompt tokens shared by all %d prompts run once", description, shared, len(ids))
             for start in range(0, len(order), batch_size):
                 idx = order[start : start + batch_size]
-                enc = tokenizer([rendered[i] for i in idx], return_tensors="pt", padding=True,
-                                add_special_tokens=False).to(device)
-                out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, use_cache=True,
-                                     pad_token_id=tokenizer.pad_token_id, temperature=None, top_p=None, top_k=None)
-                texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+                if prefix_cache is None:
+                    enc = tokenizer([rendered[i] for i in idx], return_tensors="pt", padding=True,
+                                    add_special_tokens=False).to(device)
+                    inputs, mask, extra = enc["input_ids"], enc["attention_mask"], {}
+                else:
+                    inputs, mask = _prefix_padded(ids, idx, shared, tokenizer.pad_token_id, device)
+                    cache = copy.deepcopy(prefix_cache)
+                    cache.batch_repeat_interleave(len(idx))
+                    extra = {"past_key_values": cache}
+                out = model.generate(input_ids=inputs, attention_mask=mask, **extra, **sampling)
+                texts = tokenizer.batch_decode(out[:, inputs.shape[1] :], skip_special_tokens=True)
                 for i, text in zip(idx, texts, strict=True):
                     answers[i] = clean_answer(text)
                 bar.advance(len(idx))
@@ -93,6 +131,19 @@ def generate_answers(
         if was_training:
             model.train()
     return answers
+
+
+def _prefix_padded(ids: Sequence[Sequence[int]], idx: Sequence[int], shared: int, pad: int, device: Any
+                   ) -> tuple[Any, Any]:
+    """(input ids, mask) of a batch as [shared prefix][pads][own tail]: the prefix comes from the cache."""
+    import torch
+
+    tails = [list(ids[i][shared:]) for i in idx]
+    width = max(len(t) for t in tails)
+    head = list(ids[idx[0]][:shared])
+    rows = [head + [pad] * (width - len(t)) + t for t in tails]
+    masks = [[1] * shared + [0] * (width - len(t)) + [1] * len(t) for t in tails]
+    return torch.tensor(rows, device=device), torch.tensor(masks, device=device)
 
 
 # ---------------------------------------------------------------- metrics
@@ -118,6 +169,27 @@ def rouge_l(predictions: Sequence[str], references: Sequence[str]) -> list[float
 
     scorer = RougeScorer(["rougeL"], tokenizer=_WordTokenizer())
     return [scorer.score(ref, pred)["rougeL"].fmeasure for pred, ref in zip(predictions, references, strict=True)]
+
+
+def exact_match_reach(references: Sequence[str], inputs: Sequence[str], train_references: Sequence[str]
+                      ) -> dict[str, float]:
+    """How many references an answer that copies could match exactly: an exact-match ceiling for the data.
+
+    `reach_train`: the share equal to a training reference (after `normalise_heading`), which a model can
+    memorise; `reach_input`: the share whose words appear in a row in its own input, which it can copy;
+    `reach`: either. A reference that is neither must be composed word by word, which small models rarely get
+    exactly right, so exact match well above `reach` is not to be expected.
+    """
+    seen = {normalise_heading(r) for r in train_references}
+    tok = _WordTokenizer()
+    n = len(references) or 1
+    in_train = in_input = either = 0
+    for ref, text in zip(references, inputs, strict=True):
+        a = normalise_heading(ref) in seen
+        words, haystack = tok.tokenize(ref), tok.tokenize(text)
+        b = bool(words) and any(haystack[i:i + len(words)] == words for i in range(len(haystack) - len(words) + 1))
+        in_train, in_input, either = in_train + a, in_input + b, either + (a or b)
+    return {"reach_train": in_train / n, "reach_input": in_input / n, "reach": either / n}
 
 
 def chrf(predictions: Sequence[str], references: Sequence[str], beta: int = 2) -> float:
@@ -184,7 +256,7 @@ def examples_table(rows: Sequence[dict[str, str]], columns: Sequence[str], n: in
 
 
 __all__ = [
-    "SCORE_METRICS", "TEXT_METRICS", "StepProgress", "chrf", "clean_answer", "examples_table", "fit_lead_length",
-    "generate_answers", "lead_baseline", "lead_length", "lead_words", "normalise_heading", "progress", "rouge_l",
-    "text_metrics",
+    "SCORE_METRICS", "TEXT_METRICS", "StepProgress", "chrf", "clean_answer", "exact_match_reach", "examples_table",
+    "fit_lead_length", "generate_answers", "lead_baseline", "lead_length", "lead_words", "normalise_heading",
+    "progress", "rouge_l", "shared_prefix_length", "text_metrics",
 ]

@@ -34,6 +34,7 @@ from lorafleet.train.generation_baselines import (
 )
 from lorafleet.train.generation_eval import (
     TEXT_METRICS,
+    exact_match_reach,
     examples_table,
     fit_lead_length,
     lead_baseline,
@@ -142,6 +143,16 @@ def example_rows(dataset: HeadingsDataset, baselines: Baselines, lora: list[str]
              **{p: baselines.predictions[p][split][i] for p in baselines.names}, "LoRA": lora[i]} for i in idx]
 
 
+def reach_metrics(dataset: HeadingsDataset) -> dict[str, float]:
+    """`{split}_exact_match_reach[_train|_input]` for dev and test: what copying could match (exact_match_reach)."""
+    out: dict[str, float] = {}
+    for split in ("dev", "test"):
+        inputs = [ex.input for ex in dataset.examples[split]]
+        reach = exact_match_reach(dataset.references(split), inputs, dataset.references("train"))
+        out.update({f"{split}_exact_match_{k}": v for k, v in reach.items()})
+    return out
+
+
 def write_generation_report(path: Path, cfg: GenerationTrainConfig, dataset: HeadingsDataset,
                             result: TrainResult, baselines: Baselines) -> Path:
     m, c = result.metrics, result.cost
@@ -159,6 +170,10 @@ def write_generation_report(path: Path, cfg: GenerationTrainConfig, dataset: Hea
         f"max_new_tokens {cfg.max_new_tokens}",
         f"- dataset digest: `{dataset.digest}`",
         "- dataset: " + ", ".join(f"{k} {v}" for k, v in dataset.summary().items()),
+        *([f"- exact-match reach (test): {m['test_exact_match_reach_train']:.1%} of the headings equal a training "
+           f"heading, {m['test_exact_match_reach_input']:.1%} appear word for word in their input, "
+           f"{m['test_exact_match_reach']:.1%} either: about the most exact match a model that copies can get"]
+          if "test_exact_match_reach" in m else []),
         f"- LoRA r={cfg.lora.r} alpha={cfg.lora.alpha} dropout={cfg.lora.dropout} targets={cfg.lora.target_modules}; "
         f"lr {cfg.learning_rate}, epochs {cfg.epochs}, batch {cfg.batch_size}×{cfg.gradient_accumulation_steps}, "
         f"packing {cfg.packing}; {int(m.get('trainable_params', 0)):,} trainable parameters, "
@@ -239,6 +254,7 @@ def run_generation_train(cfg: GenerationTrainConfig, out_dir: Path | None = None
         result = train_generation(cfg, dataset, out, on_epoch=on_epoch, evaluate_test=True)
         stages["train_and_eval_s"] = result.cost["wall_s"]
         result.metrics.update(baselines.metrics)
+        result.metrics.update(reach_metrics(dataset))
         for split in ("dev", "test"):
             result.metrics[f"{split}_rouge_l_lift"] = relative_lift(result.metrics, split)
         result.extras.update(train_cost=result.cost, stages=stages, lead_words=baselines.lead_words)
@@ -268,5 +284,5 @@ def run_generation_train(cfg: GenerationTrainConfig, out_dir: Path | None = None
 
 __all__ = [
     "LEAD", "Baselines", "build_generation_dataset", "bundle_details", "evaluate_generation_adapter", "example_rows",
-    "generation_baselines", "relative_lift", "run_generation_train", "write_generation_report",
+    "generation_baselines", "reach_metrics", "relative_lift", "run_generation_train", "write_generation_report",
 ]

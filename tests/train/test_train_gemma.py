@@ -148,3 +148,23 @@ def test_packaged_gemma_converts_with_its_template() -> None:
     tok = AutoTokenizer.from_pretrained(str(resolve_causal_source("gemma-3-270m")))
     assert tok.apply_chat_template(MESSAGES[:2], tokenize=False, add_generation_prompt=True) == (
         f"<bos><start_of_turn>user\n{SYSTEM}\n\nDer Arbeitgeber haftet.<end_of_turn>\n<start_of_turn>model\n")
+
+
+@pytest.mark.parametrize("which", ["tiny_llama", "tiny_gemma_turns"])
+def test_kshot_prompts_from_a_cached_shared_prefix_give_the_same_answers(which: str, request: pytest.FixtureRequest,
+                                                                          data_dir: Path) -> None:
+    from lorafleet.train.generation_eval import generate_answers, shared_prefix_length
+
+    cfg = _cfg(request.getfixturevalue(which), eval_batch_size=4)
+    model, tok = load_causal_base(cfg.base_model)
+    dataset = build_headings(cfg.data, tok, data_root=data_dir)
+    prompts = kshot_prompts(dataset, "dev", kshot_examples(dataset, 2))
+    ids = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+           for p in prompts]
+    shared = shared_prefix_length(ids)
+    assert shared >= 40 and all(x[:shared] == ids[0][:shared] for x in ids)  # the system turn and both shots
+    plain = generate_answers(model, tok, prompts, batch_size=4, max_new_tokens=8)
+    cached = generate_answers(model, tok, prompts, batch_size=4, max_new_tokens=8, prefix_cache_min=1)
+    assert cached == plain and any(plain)
+    assert shared_prefix_length([[1, 2, 3], [1, 2, 3]]) == 2  # each prompt keeps a token of its own
+    assert shared_prefix_length([[1, 2, 3]]) == 0 and shared_prefix_length([[1, 2], [3, 2]]) == 0

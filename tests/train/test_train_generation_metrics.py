@@ -8,7 +8,7 @@ import pytest
 from lorafleet.config import ConfigError
 from lorafleet.tasks import get_task_kind, judge
 from lorafleet.train.generation_baselines import best_baseline, best_label
-from lorafleet.train.generation_eval import chrf, text_metrics
+from lorafleet.train.generation_eval import chrf, exact_match_reach, text_metrics
 
 TRUTH = "Gemeinschaftliche Verwaltung"  # BGB § 744
 LEAD = "Die Verwaltung des gemeinschaftlichen Gegenstands steht den Teilhabern gemeinschaftlich zu"
@@ -27,6 +27,20 @@ def test_rouge_l_f1_on_known_pairs() -> None:
     assert m["test_rouge_l"] == pytest.approx((2 / 3 + 1 + 0 + 2 / 3) / 4)
     assert m["test_exact_match"] == pytest.approx(1 / 4)
     assert m["test_pred_words"] == pytest.approx((1 + 2 + 1 + 3) / 4)
+
+
+def test_exact_match_reach_counts_what_copying_could_match() -> None:
+    refs = ["Verjährung", TRUTH, "Haftung des Herstellers", "Anwendungsbereich"]
+    inputs = ["Der Anspruch unterliegt der Verjährung.",  # in train and in its input
+              LEAD,  # "gemeinschaftlichen Gegenstands", not the heading's words in a row: neither
+              "(1) Die Haftung des Herstellers ist ausgeschlossen.",  # in its input only (casefolded words)
+              "Dieses Gesetz gilt für Verträge."]
+    train = ["  verjährung.", "Anwendungsbereich", "Haftung des Verkäufers"]  # normalised as exact match is
+    reach = exact_match_reach(refs, inputs, train)
+    assert reach == {"reach_train": 2 / 4, "reach_input": 2 / 4, "reach": 3 / 4}
+    assert exact_match_reach([], [], train) == {"reach_train": 0.0, "reach_input": 0.0, "reach": 0.0}
+    with pytest.raises(ValueError):
+        exact_match_reach(refs, inputs[:2], train)
 
 
 def test_chrf_beta_2_and_beta_1_by_hand() -> None:
