@@ -110,18 +110,23 @@ if __name__ == "__main__":
 def vllm_reference(venv: Path, tiny: dict[str, Path], cases: list[dict[str, Any]], work: Path,
                    max_model_len: int = MAX_MODEL_LEN) -> dict[str, str]:
     """{"<adapter or ''>|<case id>": text} from direct vLLM (a second engine start, ~30 s)."""
+    spec = {"model": str(tiny["base"]), "max_model_len": max_model_len, "cases": cases,
+            "loras": {"a": str(tiny["a"]), "b": str(tiny["b"])}}
+    return run_vllm_script(venv, work, _VLLM_SCRIPT, spec, timeout=600)
+
+
+def run_vllm_script(venv: Path, work: Path, script: str, spec: dict[str, Any], *, timeout: float) -> Any:
+    """Run `script` (reads spec.json, prints one `REFERENCE <json>` line) in vLLM's venv; that JSON."""
     from lorafleet.sidecar.vllm_files import write_support_files
     from lorafleet.sidecar.vllm_install import venv_python
 
     run_dir = write_support_files(work)  # the AMX sitecustomize: vLLM on Intel CPUs needs it
-    (run_dir / "reference.py").write_text(_VLLM_SCRIPT)
-    spec = {"model": str(tiny["base"]), "max_model_len": max_model_len, "cases": cases,
-            "loras": {"a": str(tiny["a"]), "b": str(tiny["b"])}}
+    (run_dir / "reference.py").write_text(script)
     (run_dir / "spec.json").write_text(json.dumps(spec))
     env = {**os.environ, "PYTHONPATH": str(run_dir), "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
     env.pop("VIRTUAL_ENV", None)
     proc = subprocess.run([str(venv_python(venv)), str(run_dir / "reference.py"), str(run_dir / "spec.json")],
-                          env=env, capture_output=True, text=True, timeout=600, start_new_session=True)
+                          env=env, capture_output=True, text=True, timeout=timeout, start_new_session=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("REFERENCE ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     return json.loads(lines[-1].removeprefix("REFERENCE "))

@@ -15,9 +15,6 @@ Needs the vLLM venv (`lorafleet runtime install vllm`); skips without it.
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +22,7 @@ from typing import Any
 
 import pytest
 import yaml
-from generate_kit import put_fleet_entry
+from generate_kit import put_fleet_entry, run_vllm_script
 
 from lorafleet.cluster import LocalCluster
 from lorafleet.config import FleetConfig
@@ -116,28 +113,15 @@ def setup(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Iterator[
 @pytest.fixture(scope="module")
 def reference(setup: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]]:
     """Direct vLLM generation from the training side's prompt token ids: base and the adapter."""
-    from lorafleet.sidecar.vllm_files import write_support_files
-    from lorafleet.sidecar.vllm_install import venv_python
-
     assert VENV is not None
     tok = setup["tokenizer"]
     ids = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
            for p in setup["prompts"]]
     opts = options()
-    run_dir = tmp_path_factory.mktemp("winner-ref")
-    write_support_files(run_dir)  # the AMX sitecustomize: vLLM on Intel CPUs needs it
-    (run_dir / "reference.py").write_text(_REFERENCE)
-    (run_dir / "spec.json").write_text(json.dumps({
-        "model": str(setup["folder"]), "adapter": str(setup["adapter"]), "prompts": ids,
-        "max_tokens": setup["task"].max_new_tokens, "max_model_len": opts["max_model_len"],
-        "max_lora_rank": opts["max_lora_rank"]}))
-    env = {**os.environ, "PYTHONPATH": str(run_dir), "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
-    env.pop("VIRTUAL_ENV", None)
-    proc = subprocess.run([str(venv_python(VENV)), str(run_dir / "reference.py"), str(run_dir / "spec.json")],
-                          env=env, capture_output=True, text=True, timeout=900, start_new_session=True)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("REFERENCE ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    return json.loads(lines[-1].removeprefix("REFERENCE "))
+    spec = {"model": str(setup["folder"]), "adapter": str(setup["adapter"]), "prompts": ids,
+            "max_tokens": setup["task"].max_new_tokens, "max_model_len": opts["max_model_len"],
+            "max_lora_rank": opts["max_lora_rank"]}
+    return run_vllm_script(VENV, tmp_path_factory.mktemp("winner-ref"), _REFERENCE, spec, timeout=900)
 
 
 @pytest.fixture(scope="module")
