@@ -183,10 +183,10 @@ class VllmEngine:
             LORAFLEET_VLLM_PARENT=str(os.getpid()),
         )
         if _device(c) == "cpu":
-            # vLLM pins its CPU worker to the cores it binds and sizes that worker's OpenMP team itself. A pool size
-            # inherited from this worker (lorafleet/threads.py: OMP_NUM_THREADS=2 on a 2-CPU host) put a team of
-            # two on the one core vLLM bound: greedy decoding of SmolLM2 ran 18x slower, with a LoRA 40x (0.2
-            # tokens/s, measured). An engine's own `extra_env` may still set them.
+            # vLLM pins its CPU worker to the cores it binds and sizes that worker's OpenMP team itself. The pool
+            # sizes inherited from this worker (lorafleet/threads.py: 2 each on a 2-CPU host) left pools of two on
+            # the one core vLLM bound: greedy decoding of SmolLM2 ran 18x slower, with a LoRA 37x (0.2 tokens/s,
+            # measured). An engine's own `extra_env` may still set them.
             for name in POOL_VARIABLES:
                 env.pop(name, None)
             env["VLLM_CPU_KVCACHE_SPACE"] = str(c.kv_cache_gib)
