@@ -316,13 +316,17 @@ class NatsSide:
 
     async def _drain(self) -> None:
         assert self._settler is not None
+        timeout = self.fleet.worker.drain_timeout_s
+        deadline = time.monotonic() + timeout
         pulls = [t for t in [self._pull_task, *self.engines.pulling()] if t is not None and not t.done()]
         if pulls:
-            await asyncio.wait(pulls, timeout=IDLE_POLL_S + 2.0)
+            # A pull that was fetching when the stop came ends within a fetch timeout and hands its batch over
+            # (then held). Waiting only IDLE_POLL_S + 2 s let a host freeze outlast it: its fetched batch was
+            # neither answered nor given back, ack-pending until redelivery (seen in CI). So it gets the drain's time.
+            await asyncio.wait(pulls, timeout=max(IDLE_POLL_S + 2.0, timeout))
         if self._scheduler is not None:
             await self._scheduler.give_back_waiting()
-        timeout = self.fleet.worker.drain_timeout_s
-        if await self.held.wait_empty(timeout):
+        if await self.held.wait_empty(max(0.0, deadline - time.monotonic())):
             log.info("drained: all in-flight tasks answered")
             return
         log.warning("drain timed out after %.1fs; giving back %d task(s)", timeout, len(self.held))
