@@ -91,11 +91,11 @@ def generate_answers(
     ids = [tokenizer(r, add_special_tokens=False)["input_ids"] for r in rendered]
     order = sorted(range(len(rendered)), key=lambda i: -len(ids[i]))  # longest first: a memory peak shows at once
     answers: list[str] = [""] * len(rendered)
-    shared = shared_prefix_length(ids)
+    shared = shared_prefix_length(ids) if prefix_cache_min is not None else 0
     window = getattr(getattr(model, "config", None), "sliding_window", None)
-    if isinstance(window, int) and max(map(len, ids), default=0) + max_new_tokens > window:
-        shared = 0  # pads between prefix and tail would shift a sliding window off the unpadded prompt's tokens
-    shared = shared if prefix_cache_min is not None and shared >= prefix_cache_min else 0
+    if shared < (prefix_cache_min or 0) or (
+            isinstance(window, int) and max(map(len, ids), default=0) + max_new_tokens > window):
+        shared = 0  # too short to pay, or pads between prefix and tail would shift a sliding window
     side = tokenizer.padding_side
     tokenizer.padding_side = "left"  # decoder-only models continue from the last position
     was_training = model.training
