@@ -274,7 +274,7 @@ def start_user_path(work: Path, routes: list[str], threads: int | None,
 
     `precision` (not `auto`) pins what the base's `precision: auto` resolves to (LORAFLEET_AUTO_PRECISION), so the
     same fleet file is served at fp32 beside the guard's choice; the contenders are then named `route@precision`."""
-    from lorafleet.cluster import LocalCluster, load_fleet
+    from lorafleet.cluster import LocalCluster, default_workers, load_fleet
     from lorafleet.nats_server import free_port
     from lorafleet.precision import AUTO_ENV
     from lorafleet.settings import DEFAULT_FLEET
@@ -298,11 +298,15 @@ def start_user_path(work: Path, routes: list[str], threads: int | None,
         profile["max_batch_items"] = int(variant[1:])
     if variant == "ahead":  # `auto:ahead`: one batch pulled while another computes
         profile["batches_in_flight"] = 1
+    # As many workers as `lorafleet up` starts by default; `auto:w1`, `fp32:w2`: N (`lorafleet up --workers N`). The
+    # thread plan splits the CPUs among them.
+    workers = int(variant[1:]) if variant.startswith("w") and variant[1:].isdigit() else \
+        default_workers(fleet, threads)[0]
     if profile:
         worker = fleet.worker.model_copy(update={"profile": fleet.worker.profile.model_copy(update=profile)})
         fleet = fleet.model_copy(update={"worker": worker})
     # Only the ports differ from `lorafleet up` (free ones, so a running cluster is left alone).
-    cluster = LocalCluster(fleet, workers=1, port=0, home=home, nats_port=free_port(), extra_env=env or None,
+    cluster = LocalCluster(fleet, workers=workers, port=0, home=home, nats_port=free_port(), extra_env=env or None,
                            supervise=True)
     cluster.start(timeout=240)
     started = time.monotonic() - t0
@@ -547,7 +551,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "plain `openai-base64`), and `auto:old` / `fp32:old` add the worker's batching as it was "
                         "before issue 27 (one batch per pull, one forward pass per batch); `:passive` sets "
                         "OMP_WAIT_POLICY=PASSIVE in the cluster (OpenMP threads sleep at barriers, not spin); "
-                        "`:ahead` serves with batches_in_flight 1 (a batch pulled while another computes).")
+                        "`:ahead` serves with batches_in_flight 1 (a batch pulled while another computes); "
+                        "`:w1`, `:w2` start that many workers instead of `lorafleet up`'s default.")
     p.add_argument("--rounds", type=int, default=1,
                    help="User path: measure each concurrency this many times, the routes and precisions taking turns "
                         "(the median round is reported).")

@@ -50,7 +50,7 @@ from lorafleet.nats_tls import issue_certificate, make_self_signed_ca
 from lorafleet.processes import find_parts, pid_alive, stop_group
 from lorafleet.queue import ensure_fleet_streams
 from lorafleet.supervisor import RestartPolicy, Supervisor
-from lorafleet.threads import available_cpus, plan_threads, pool_env
+from lorafleet.threads import auto_workers, available_cpus, plan_threads, pool_env
 
 __all__ = ["ClusterError", "ClusterState", "LocalCluster", "collect_status", "down", "load_fleet", "pid_alive",
            "stop_group"]
@@ -106,6 +106,23 @@ async def apply_layout(url: str, options: dict[str, Any], fleet: FleetConfig) ->
                 await asyncio.sleep(0.2)
     finally:
         await nc.close()
+
+
+def default_workers(fleet: FleetConfig, worker_threads: int | None = None) -> tuple[int, str]:
+    """How many workers `lorafleet up` starts when not told, and why (lorafleet/threads.py, auto_workers)."""
+    from lorafleet import plugins
+    from lorafleet.device import nvidia_gpu_present
+
+    single: str | None = None
+    device = fleet.worker.device
+    if device.startswith("cuda") or (device == "auto" and nvidia_gpu_present()):
+        single = "1 worker: it owns the GPU"
+    else:
+        engines = [b.name for b in fleet.bases
+                   if getattr(plugins.load(plugins.RUNTIMES, b.runtime), "one_worker_per_host", False)]
+        if engines:
+            single = f"1 worker: {', '.join(engines)} run(s) on an engine that uses this host's cores itself"
+    return auto_workers(available_cpus(), single, worker_threads or fleet.worker.threads)
 
 
 class LocalCluster:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from lorafleet.config import ConfigError
+
+_NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
 
 
 def resolve_device(device: str) -> str:
@@ -21,3 +25,11 @@ def bf16_supported(device: str) -> bool:
     import torch
 
     return device.startswith("cuda") and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
+def nvidia_gpu_present(gpus: Path = _NVIDIA_GPUS) -> bool:
+    """Whether the NVIDIA driver lists a GPU on this host (without importing torch: `lorafleet up` asks)."""
+    try:
+        return any(gpus.iterdir())
+    except OSError:
+        return False

@@ -10,6 +10,13 @@ The plan: the CPUs this process may use (affinity, then the cgroup quota, which 
 are divided among the workers on the host; the gateway, which only parses, counts tokens and moves
 bytes, gets one thread for each pool. A thread count the user set (a flag, the fleet's
 `worker.threads`, or OMP_NUM_THREADS in the environment) always wins.
+
+How many workers `lorafleet up` starts when not told (`auto_workers`): on a CPU host whose bases all
+compute inside the worker, one single-threaded worker per CPU (up to AUTO_WORKERS_MAX). Two workers of
+one thread served 1.18-1.21x (fp32) and 1.08-1.29x (bf16) the requests of one worker of two threads on a
+2-CPU host (docs/benchmarks.md, 1b): while one computes, the other pulls, tokenises and replies, and
+no OpenMP team waits at a barrier for a core another process took. Where a base runs its own engine
+(vLLM, which takes the host's cores itself) or the host has a GPU, one worker.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ from pathlib import Path
 # Every pool a lorafleet process may start: torch (OpenMP, MKL), numpy (OpenBLAS), tokenizers (rayon).
 POOL_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "RAYON_NUM_THREADS")
 GATEWAY_THREADS = 1
+# Measured at 2 CPUs only; each worker holds its own copy of every base, so the default stays small beyond.
+AUTO_WORKERS_MAX = 4
 
 _CGROUP_V2 = Path("/sys/fs/cgroup/cpu.max")
 _CGROUP_V1 = (Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"), Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us"))
@@ -84,6 +93,18 @@ def plan_threads(cpus: int, workers: int, worker_threads: int | None = None,
     share = max(1, cpus // max(1, workers))
     return ThreadPlan(cpus, workers, share, GATEWAY_THREADS,
                       f"{cpus} CPU(s) available / {max(1, workers)} worker(s) on this host")
+
+
+def auto_workers(cpus: int, single: str | None = None, worker_threads: int | None = None,
+                 environ: Mapping[str, str] | None = None) -> tuple[int, str]:
+    """Workers to start when the user gave no count, and why: one per `worker_threads` (else OMP_NUM_THREADS,
+    else 1) CPUs, at most AUTO_WORKERS_MAX; 1 when `single` says why only one makes sense."""
+    if single:
+        return 1, single
+    env = os.environ if environ is None else environ
+    threads = worker_threads or _positive_int(env.get("OMP_NUM_THREADS")) or 1
+    n = max(1, min(AUTO_WORKERS_MAX, cpus // threads))
+    return n, f"{n} worker(s): {cpus} CPU(s), {threads} thread(s) each, at most {AUTO_WORKERS_MAX}"
 
 
 def pool_env(threads: int) -> dict[str, str]:

@@ -222,6 +222,8 @@ class EngineRuntime(ABC):
 
     capabilities: ClassVar[frozenset[str]] = frozenset()
     precision: str = "fp32"  # as Runtime's
+    # The engine uses the host's cores (or GPU) itself: `lorafleet up` starts one worker, not one per CPU.
+    one_worker_per_host: ClassVar[bool] = True
 
     @classmethod
     def precisions(cls, device: str) -> frozenset[str]:

@@ -22,7 +22,10 @@ def _fail(message: str, code: int = 1) -> NoReturn:
 
 
 def up(
-    workers: int = typer.Option(1, "--workers", "-w", min=0, help="Worker processes to start."),
+    workers: int | None = typer.Option(None, "--workers", "-w", min=0, show_default=False, help="Worker processes to "
+                                "start. Default: on a CPU host, one single-threaded worker per CPU (at most 4), "
+                                "which serves more than one worker with all the threads; one where the host has a "
+                                "GPU or a base runs on its own engine (vllm)."),
     port: int = typer.Option(None, "--port", "-p", help="Gateway port (default: the fleet's, 8080)."),
     fleet: Path = typer.Option(None, "--fleet", "-f", help="Fleet YAML (default: configs/fleet.yaml if present)."),
     detach: bool = typer.Option(False, "--detach", "-d", help="Return once ready; a supervisor keeps the cluster "
@@ -46,8 +49,9 @@ def up(
 ) -> None:
     """Start a local cluster: nats-server (authentication on), N workers and the gateway, supervised."""
     from lorafleet import settings
-    from lorafleet.cluster import ClusterError, LocalCluster, load_fleet
+    from lorafleet.cluster import ClusterError, LocalCluster, default_workers, load_fleet
     from lorafleet.config import ConfigError
+    from lorafleet.plugins import PluginError
 
     if home is not None:
         os.environ["LORAFLEET_HOME"] = str(home.expanduser().resolve())
@@ -59,13 +63,16 @@ def up(
         return
     try:
         cfg = load_fleet(fleet)
+        why = "set with --workers"
+        if workers is None:
+            workers, why = default_workers(cfg, worker_threads)
         cluster = LocalCluster(cfg, workers=workers, port=port, host=host, auth=not insecure_no_auth, tls=tls,
                                supervise=True,
                                on_event=lambda text: typer.secho(text, err=True, fg=typer.colors.YELLOW),
                                supervisor_pid=os.getpid(), worker_threads=worker_threads, nats_nodes=nats_nodes)
         t0 = time.monotonic()
         cluster.start(timeout=timeout, progress=True)
-    except (ConfigError, ClusterError) as exc:
+    except (ConfigError, ClusterError, PluginError) as exc:
         _fail(str(exc))
         return
     names = ", ".join([b.name for b in cfg.bases] + [m.name for m in cfg.models])
@@ -73,7 +80,7 @@ def up(
     typer.echo(f"  NATS {cluster.nats_url}: " + (f"credentials in {cluster.home / 'creds'}" if not insecure_no_auth
                                                    else "NO AUTHENTICATION (--insecure-no-auth)"))
     typer.echo(f"  try: lorafleet embed --model {cfg.bases[0].name} 'Der Käufer zahlt den Kaufpreis.'")
-    typer.echo(f"  threads: {cluster.threads.describe()}")
+    typer.echo(f"  workers: {workers} ({why}); threads: {cluster.threads.describe()}")
     typer.echo(f"  state and logs: {cluster.home}")
     typer.echo("  press Ctrl-C to stop")
     stop = {"now": False}
@@ -92,15 +99,16 @@ def up(
         typer.echo("stopped")
 
 
-def _up_detached(workers: int, port: int | None, fleet: Path | None, timeout: float, tls: bool, insecure: bool,
+def _up_detached(workers: int | None, port: int | None, fleet: Path | None, timeout: float, tls: bool, insecure: bool,
                  home: Path, host: str, worker_threads: int | None, nats_nodes: int = 1) -> None:
     """`up` again in its own session (the supervisor, logging to logs/supervisor.log); return once it is ready."""
     import subprocess
 
     from lorafleet.cluster import ClusterError, ClusterState
 
-    argv = [sys.executable, "-m", "lorafleet.cli", "up", "--home", str(home), "--workers", str(workers),
-            "--timeout", str(timeout), "--host", host]
+    argv = [sys.executable, "-m", "lorafleet.cli", "up", "--home", str(home), "--timeout", str(timeout),
+            "--host", host]
+    argv += ["--workers", str(workers)] if workers is not None else []
     if port is not None:
         argv += ["--port", str(port)]
     if fleet is not None:

@@ -9,10 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from lorafleet.cluster import ClusterError, LocalCluster
-from lorafleet.config import FleetConfig, WorkerConfig
+from lorafleet import cluster as cluster_module
+from lorafleet.cluster import ClusterError, LocalCluster, default_workers
+from lorafleet.config import BaseModelSpec, FleetConfig, WorkerConfig
+from lorafleet.device import nvidia_gpu_present
 from lorafleet.threads import (
+    AUTO_WORKERS_MAX,
     POOL_VARIABLES,
+    auto_workers,
     available_cpus,
     cgroup_cpu_limit,
     plan_threads,
@@ -66,6 +70,42 @@ def test_cgroup_quota_v2_and_v1(tmp_path: Path) -> None:
 
 def test_available_cpus_is_within_the_machine() -> None:
     assert 1 <= available_cpus() <= (os.cpu_count() or 1)
+
+
+@pytest.mark.parametrize(("cpus", "threads", "env", "expected"), [
+    (1, None, {}, 1), (2, None, {}, 2), (3, None, {}, 3), (16, None, {}, AUTO_WORKERS_MAX),
+    (2, 2, {}, 1), (8, 2, {}, 4), (8, None, {"OMP_NUM_THREADS": "4"}, 2), (2, 4, {}, 1)])
+def test_auto_workers_one_per_cpu_or_per_explicit_thread_count(cpus: int, threads: int | None, env: dict[str, str],
+                                                              expected: int) -> None:
+    n, why = auto_workers(cpus, None, threads, env)
+    assert n == expected
+    assert f"{cpus} CPU(s)" in why
+
+
+def test_auto_workers_is_one_when_told_why() -> None:
+    assert auto_workers(8, "1 worker: it owns the GPU", None, {}) == (1, "1 worker: it owns the GPU")
+
+
+def test_default_workers_reads_the_fleet(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cluster_module, "available_cpus", lambda: 2)
+    monkeypatch.setattr("lorafleet.device.nvidia_gpu_present", lambda: False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert default_workers(FleetConfig())[0] == 2  # the default fleet computes in the worker
+    assert default_workers(FleetConfig(worker=WorkerConfig(threads=2)))[0] == 1
+    assert default_workers(FleetConfig(worker=WorkerConfig(device="cuda")))[0] == 1
+    engine = FleetConfig(bases=[BaseModelSpec(name="llm", source="SmolLM2-135M-Instruct", runtime="vllm")])
+    n, why = default_workers(engine)
+    assert (n, "llm" in why) == (1, True)  # a vLLM engine takes the host's cores itself
+    monkeypatch.setattr("lorafleet.device.nvidia_gpu_present", lambda: True)
+    assert default_workers(FleetConfig())[1] == "1 worker: it owns the GPU"
+
+
+def test_nvidia_gpu_present_reads_the_driver_listing(tmp_path: Path) -> None:
+    assert not nvidia_gpu_present(tmp_path / "absent")
+    (tmp_path / "gpus").mkdir()
+    assert not nvidia_gpu_present(tmp_path / "gpus")
+    (tmp_path / "gpus" / "0000:01:00.0").mkdir()
+    assert nvidia_gpu_present(tmp_path / "gpus")
 
 
 def test_the_cluster_gives_each_worker_its_share_and_the_gateway_one(monkeypatch: pytest.MonkeyPatch) -> None:
