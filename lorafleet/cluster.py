@@ -37,9 +37,10 @@ from typing import Any
 import httpx
 import yaml
 
-from lorafleet import settings
+from lorafleet import plugins, settings
 from lorafleet.cluster_state import STATE_FILE, ClusterError, ClusterState, collect_status, down
 from lorafleet.config import FleetConfig, load_yaml_model
+from lorafleet.device import nvidia_gpu_present
 from lorafleet.fleet_state import ensure_config_bucket, ensure_fleet_bucket, purge_legacy_fleet_config, put_fleet_config
 from lorafleet.heartbeats import ENV_RESTARTS
 from lorafleet.nats_auth import TlsFiles
@@ -110,9 +111,6 @@ async def apply_layout(url: str, options: dict[str, Any], fleet: FleetConfig) ->
 
 def default_workers(fleet: FleetConfig, worker_threads: int | None = None) -> tuple[int, str]:
     """How many workers `lorafleet up` starts when not told, and why (lorafleet/threads.py, auto_workers)."""
-    from lorafleet import plugins
-    from lorafleet.device import nvidia_gpu_present
-
     single: str | None = None
     device = fleet.worker.device
     if device.startswith("cuda") or (device == "auto" and nvidia_gpu_present()):
