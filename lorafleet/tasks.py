@@ -147,6 +147,7 @@ class GateResult:
     base_score: float | None
     margin: float
     metric: str
+    against: str = "base"  # the prefix base_score was read under: `base`, or `best` (the best baseline)
 
 
 def judge(metrics: MetricSpec, candidate: Mapping[str, float], champion: Mapping[str, float] | None,
@@ -176,7 +177,7 @@ def judge(metrics: MetricSpec, candidate: Mapping[str, float], champion: Mapping
                 reasons.append(f"{champion_label} has no {name} recorded to compare with")
             elif not beats(score, champ, 0.0, metrics.direction):
                 reasons.append(f"{name} {score:.4f} is {abs(champ - score):.4f} {worse} {champion_label}'s {champ:.4f}")
-    return GateResult(not reasons, reasons, score, champ, base, margin, name)
+    return GateResult(not reasons, reasons, score, champ, base, margin, name, metrics.gate)
 
 
 class TaskDataset(Protocol):

@@ -10,6 +10,10 @@ and the margin rule that also gates promotion. This stage never imports a kind's
 Python: `run_research(load_config(path), ...) -> ResearchResult`; `result.candidate` tells whether
 `result.winner_adapter_dir` may be shipped (`lorafleet.pipeline.ship` tunes and registers it).
 
+A new study's first trial trains the `train:` section as written (`research.start_from_config`, on by default:
+its values of the searched parameters are queued with `study.enqueue_trial`; a value outside the space is
+sampled instead, and the run says which), so the winner on dev is never worse than the config searched around.
+
 State: the Optuna study (RDB storage, sqlite at LORAFLEET_HOME/optuna/optuna.db by default) holds the
 trials, the config it was started with, the search-space fingerprint, the baseline and the MLflow
 parent run id; MLflow (experiment `lorafleet-research/<study>`) holds one parent run per study and

@@ -118,6 +118,10 @@ class ResearchConfig(StrictModel):
         0.02, ge=0, description="Winner must beat the base model on dev and test by this relative margin."
     )
     reseed: bool = Field(True, description="Re-train the winner with a second seed and report the spread.")
+    start_from_config: bool = Field(
+        True, description="A new study's first trial trains the `train:` section as written (its values of the "
+        "searched parameters, where the space holds them), so research never ends below the config it searches around."
+    )
     heartbeat_s: int = Field(10, ge=1, description="Trial heartbeat to the study storage.")
     grace_s: int = Field(60, ge=2, description="A RUNNING trial without heartbeat this long is failed and retried.")
     max_retries: int = Field(2, ge=0, description="How often an interrupted trial's configuration is retried.")
@@ -198,6 +202,41 @@ def apply_params(train_raw: dict[str, Any], params: dict[str, Any], train_model:
     for path, value in params.items():
         set_path(raw, path, value)
     return validate_model(train_model, raw, source="trial configuration")
+
+
+def config_point(space: dict[str, Any], train_cfg: BaseModel) -> tuple[dict[str, Any], list[str]]:
+    """The config's own value of each searched parameter, as Optuna stores it (categorical labels), and the paths
+    whose value lies outside the space (those a first trial must sample). `train_cfg` is the validated `train:`."""
+    point: dict[str, Any] = {}
+    outside: list[str] = []
+    for path, spec in space.items():
+        node: Any = train_cfg
+        for part in path.split("."):
+            node = getattr(node, part)
+        value = node.model_dump(mode="json") if isinstance(node, BaseModel) else node
+        if isinstance(spec, CategoricalParam):
+            labels = [lab for choice, lab in zip(spec.choices, spec.labels(), strict=True) if choice == value]
+            if labels:
+                point[path] = labels[0]
+            else:
+                outside.append(path)
+        elif _on_grid(spec, value):
+            point[path] = int(value) if isinstance(spec, IntParam) else float(value)
+        else:
+            outside.append(path)
+    return point, outside
+
+
+def _on_grid(spec: IntParam | FloatParam, value: Any) -> bool:
+    """Whether Optuna could sample `value` from this range: a number within the bounds, on the step if any."""
+    if not isinstance(value, int | float) or isinstance(value, bool) or not spec.low <= value <= spec.high:
+        return False
+    if isinstance(spec, IntParam) and not float(value).is_integer():
+        return False
+    if spec.step is None:
+        return True
+    steps = (value - spec.low) / spec.step
+    return abs(steps - round(steps)) < 1e-9
 
 
 def validate_space(space: dict[str, Any], train_raw: dict[str, Any], train_model: type[StrictModel]) -> None:

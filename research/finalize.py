@@ -127,6 +127,20 @@ def winner_adapter(session: Session, trial: FrozenTrial) -> tuple[str, str | Non
     return str(session.tracker.download_artifacts(run_id, artifact, dest)), f"runs:/{run_id}/{artifact}"
 
 
+# What a summary keeps of its result in the study, so that a later `research resume` (e.g. after shipping failed)
+# hands the pipeline the same winner to ship: its config, metrics and data digest, not only its verdict.
+SUMMARY_FIELDS = ("candidate", "verdict", "winner_trial", "winner_params", "winner_config", "winner_adapter_dir",
+                  "winner_adapter_uri", "winner_metrics", "reseed_metrics", "spread", "dataset_digest", "report_path")
+
+
+def restore_summary(result: ResearchResult, done: dict[str, Any]) -> ResearchResult:
+    """Fill `result` from a stored summary (studies summarised before SUMMARY_FIELDS grew keep their defaults)."""
+    for key in SUMMARY_FIELDS:
+        if key in done:
+            setattr(result, key, done[key])
+    return result
+
+
 def finalize(session: Session, result: ResearchResult, progress: Progress) -> ResearchResult:
     cfg = session.cfg
     study = session.study
@@ -175,11 +189,9 @@ def finalize(session: Session, result: ResearchResult, progress: Progress) -> Re
             progress.note(f"[research] {note}")
             result.verdict += f" ({note})"
     _write_summary(session, result)
+    summary = {k: v for k, v in result.to_json().items() if k in SUMMARY_FIELDS}
     study.set_user_attr(ATTR_FINALIZED, {"trials": len(study.get_trials(deepcopy=False)), "at": time.time(),
-                                         "candidate": result.candidate, "verdict": result.verdict,
-                                         "winner_trial": result.winner_trial,
-                                         "winner_adapter_dir": result.winner_adapter_dir,
-                                         "winner_adapter_uri": result.winner_adapter_uri})
+                                         **summary})
     result.finalized = True
     progress.note(f"[research] {result.verdict}")
     return result
@@ -187,7 +199,8 @@ def finalize(session: Session, result: ResearchResult, progress: Progress) -> Re
 
 def _verdict(margin: float, objective: str, direction: str, baseline: dict[str, float], result: ResearchResult,
              gate: str = "base", gate_label: str = "the base model") -> tuple[bool, str]:
-    """Candidate only if the winner on dev and every seed on test beat the base model by the relative margin.
+    """Candidate only if the winner on dev and every seed on test beat `gate` (the base model, or the best baseline)
+    by the relative margin.
 
     The margin means what it means in the promotion gate (lorafleet.tasks.beats): a share of the base's score.
     """
@@ -203,11 +216,11 @@ def _verdict(margin: float, objective: str, direction: str, baseline: dict[str, 
     if beats(dev, base_dev, margin, direction) and beats(worst_test, base_test, margin, direction):  # type: ignore[arg-type]
         gain = (worst_test / base_test - 1) * 100 if base_test else float("inf")
         return True, (f"candidate: trial #{result.winner_trial} beats {gate_label} on test by {gain:+.1f}% "
-                      f"(worst of {seeds}: {test_obj}={worst_test:.4f} vs base {base_test:.4f}; "
+                      f"(worst of {seeds}: {test_obj}={worst_test:.4f} vs {gate} {base_test:.4f}; "
                       f"margin {margin:.0%})")
     return False, (f"no candidate: the winner (trial #{result.winner_trial}) does not beat {gate_label} by the "
-                   f"{margin:.0%} margin (dev {dev:.4f} vs base {base_dev:.4f}; worst test of {seeds} "
-                   f"{worst_test:.4f} vs base {base_test:.4f})")
+                   f"{margin:.0%} margin (dev {dev:.4f} vs {gate} {base_dev:.4f}; worst test of {seeds} "
+                   f"{worst_test:.4f} vs {gate} {base_test:.4f})")
 
 
 def _write_summary(session: Session, result: ResearchResult) -> None:

@@ -17,7 +17,7 @@ import optuna
 from lorafleet.tasks import TaskKind
 
 from .config import DEFAULT_TASK, LoadedConfig, from_raw, task_kind
-from .finalize import finalize
+from .finalize import finalize, restore_summary
 from .progress import Progress
 from .result import ResearchResult
 from .session import Session
@@ -84,13 +84,23 @@ def run_research(loaded: LoadedConfig, *, n_trials: int | None = None, budget_mi
             progress.note(f"[research] trials {recovered} were interrupted; marked failed, configurations queued again")
         progress.note(f"[research] study {session.name!r} ({'new' if session.created else 'continued'}), "
                       f"MLflow parent run {session.parent_run_id}, pid {os.getpid()}")
+        queued = session.enqueue_config()
+        if queued is not None and queued[0]:
+            point, outside = queued
+            progress.note("[research] the first trial trains the config as written: "
+                          + ", ".join(f"{k}={v}" for k, v in point.items())
+                          + (f" (sampled: {', '.join(outside)}: the config's value is outside the space)"
+                             if outside else ""))
         baseline: dict[str, float] = {}
         if session.created or resume:  # a process joining a running study leaves the baseline to its creator
-            progress.note("[research] evaluating the baseline (base model, BM25) on dev and test")
+            label = kind.metrics.baseline_label
+            progress.note(f"[research] evaluating the baselines (the base model, {label}) on dev and test")
             baseline = session.baseline()
             obj, other = loaded.objective, kind.metrics.baseline
             progress.note(f"[research] baseline: base {obj}={baseline.get('base_' + obj, float('nan')):.4f}"
-                          + (f", {other} {obj}={baseline.get(f'{other}_{obj}', float('nan')):.4f}" if other else ""))
+                          + (f", {other} {obj}={baseline.get(f'{other}_{obj}', float('nan')):.4f}" if other else "")
+                          + (f", {kind.metrics.gate_label} {obj}={baseline.get(f'{gate}_{obj}', float('nan')):.4f}"
+                             if (gate := kind.metrics.gate) not in ("base", other) else ""))
         else:
             baseline = dict(study_attr(session.study, ATTR_BASELINE) or {})
         best = winner_of(session.study)
@@ -104,9 +114,8 @@ def run_research(loaded: LoadedConfig, *, n_trials: int | None = None, budget_mi
             progress.note("[research] other processes are still running trials; the last one writes the summary")
             return result
         if session.already_summarised():
-            done = study_attr(session.study, ATTR_FINALIZED)
-            result.verdict, result.candidate = done.get("verdict", ""), bool(done.get("candidate"))
-            result.winner_trial, result.winner_adapter_dir = done.get("winner_trial"), done.get("winner_adapter_dir")
+            restore_summary(result, study_attr(session.study, ATTR_FINALIZED))
+            result.candidate = bool(result.candidate)
             progress.note(f"[research] study {session.name!r} is already summarised and has no new trials; "
                           f"see MLflow parent run {session.parent_run_id}")
             return result

@@ -19,7 +19,7 @@ from lorafleet import settings
 from lorafleet.metrics import flatten_params
 from lorafleet.tasks import TaskKind
 
-from .config import LoadedConfig, space_fingerprint
+from .config import LoadedConfig, config_point, space_fingerprint
 from .objective import DatasetCache, TrialObjective
 from .progress import Progress
 from .study import (
@@ -121,6 +121,17 @@ class Session:
                                                               if trial.state == TrialState.FAIL else None)
             self.tracker.finish_trial(run.info.run_id, TERMINAL[trial.state], reason)
 
+    # ---- the config's own point -------------------------------------------------------------
+    def enqueue_config(self) -> tuple[dict[str, Any], list[str]] | None:
+        """Queue the `train:` section as written as the study's first trial (only in a study this process just
+        created, so no resume or second process queues it again). Returns (point, paths sampled instead)."""
+        if not (self.created and self.cfg.start_from_config):
+            return None
+        point, outside = config_point(self.cfg.space, self.kind.parse_config(self.loaded.train_raw))
+        if point:
+            self.study.enqueue_trial(point, user_attrs={"from_config": True})
+        return point, outside
+
     # ---- baseline ---------------------------------------------------------------------------
     def baseline(self) -> dict[str, float]:
         stored = study_attr(self.study, ATTR_BASELINE)
@@ -176,8 +187,11 @@ class Session:
 
     # ---- finalisation -----------------------------------------------------------------------
     def already_summarised(self) -> bool:
+        """A summary covers every trial, and it holds the whole winner (a summary written before it kept the
+        winner's config and metrics is written again: its test look is reused, nothing is evaluated twice)."""
         done = study_attr(self.study, ATTR_FINALIZED)
-        return bool(done) and done.get("trials") == len(self.study.get_trials(deepcopy=False))
+        return (bool(done) and done.get("trials") == len(self.study.get_trials(deepcopy=False))
+                and (done.get("winner_trial") is None or "winner_config" in done))
 
     def claim_finalize(self, force: bool) -> bool:
         """At most one process writes the summary (the first claim wins; the claim names the trials it covers).

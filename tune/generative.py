@@ -45,6 +45,7 @@ from lorafleet.config import BaseModelSpec, FleetConfig, GatewayConfig, ServedMo
 from lorafleet.nats_server import free_port
 from lorafleet.tune.analysis import plateaued
 from lorafleet.tune.config import GenerativeTuneConfig, TuneError
+from lorafleet.tune.precision import PrecisionQuality
 from lorafleet.tune.probe import SERVED_NAME, PeakMemory, load_texts
 from lorafleet.tune.report import machine
 from lorafleet.tune.source import TuneSource
@@ -135,6 +136,9 @@ class GenerativeTuneResult:
     wall_s: float
     files: dict[str, Path] = field(default_factory=dict)
     profile: ServingProfile = field(default_factory=ServingProfile)  # a bundle's own profile: unchanged
+    # The precision guard's verdicts, as TuneResult has them: none here, since the engine's dtype belongs to the
+    # base (`bases[].precision` / `options.dtype`), not to a bundle's profile. Shipping reads it for every kind.
+    quality: list[PrecisionQuality] = field(default_factory=list)
 
     @property
     def recommended(self) -> GenerativeResult:

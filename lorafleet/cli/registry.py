@@ -250,8 +250,8 @@ def promote(
     gate = out.gate
     if gate is not None and gate.ok:
         vs_champ = f", champion {gate.champion_score:.4f}" if gate.champion_score is not None else ""
-        typer.echo(f"gate passed: {gate.metric} {gate.score:.4f} (base {gate.base_score:.4f}, relative margin "
-                   f"{gate.margin:.1%}{vs_champ})")
+        typer.echo(f"gate passed: {gate.metric} {gate.score:.4f} ({gate.against} {gate.base_score:.4f}, "
+                   f"relative margin {gate.margin:.1%}{vs_champ})")
     elif gate is not None:
         typer.secho("gate FAILED but --force given: " + "; ".join(gate.reasons), fg=typer.colors.YELLOW)
     was = f" (was v{out.previous})" if out.previous and out.previous != out.version else ""

@@ -16,7 +16,14 @@ from typer.testing import CliRunner
 
 from lorafleet.cli import app
 from lorafleet.config import ConfigError
-from lorafleet.research.config import ResearchConfig, apply_params, from_raw, load_config, space_fingerprint
+from lorafleet.research.config import (
+    ResearchConfig,
+    apply_params,
+    config_point,
+    from_raw,
+    load_config,
+    space_fingerprint,
+)
 from lorafleet.research.finalize import _verdict
 from lorafleet.research.progress import Progress
 from lorafleet.research.result import ResearchResult
@@ -69,6 +76,29 @@ def test_nested_space_and_categorical_lists_round_trip() -> None:
         assert train.lora.r == 4  # untouched keys of the train: section stay
         seen.add(tuple(params["lora.target_modules"]))
     assert seen == {("query",), ("query", "value")}
+
+
+def test_config_point_is_the_train_section_in_optunas_terms() -> None:
+    """The first trial of a new study replays the config: its values as Optuna stores them, or sampled when the
+    space does not hold them."""
+    cfg = ResearchConfig.model_validate({"space": {
+        "lora.target_modules": {"type": "categorical", "choices": [["query"], ["query", "value"]]},
+        "lora.r": {"type": "int", "low": 2, "high": 16, "step": 2},
+        "learning_rate": {"type": "float", "low": 1e-4, "high": 1e-3, "log": True},
+        "epochs": {"type": "categorical", "choices": [1, 2]},
+    }})
+    train = TrainConfig.model_validate({"lora": {"r": 4, "target_modules": ["query", "value"]},
+                                        "learning_rate": 5e-4, "epochs": 2})
+    point, outside = config_point(cfg.space, train)
+    assert point == {"lora.target_modules": '["query", "value"]', "lora.r": 4, "learning_rate": 5e-4, "epochs": 2}
+    assert outside == []
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    study.enqueue_trial(point)
+    assert apply_params({}, suggest(study.ask(), cfg.space), TrainConfig) == train
+
+    odd = TrainConfig.model_validate({"lora": {"r": 5, "target_modules": ["key"]}, "learning_rate": 5e-3})
+    point, outside = config_point(cfg.space, odd)  # r off the step, modules not a choice, lr above the range
+    assert point == {"epochs": 2} and outside == ["lora.target_modules", "lora.r", "learning_rate"]
 
 
 def test_fingerprint_tracks_the_space_only() -> None:

@@ -22,7 +22,8 @@ def test_study_logs_parent_and_nested_runs(research_yaml: Callable[..., Path], _
     from lorafleet.research.tracking import experiment_name
     from lorafleet.tasks import get_task_kind
 
-    loaded = load_config(research_yaml("study-a"))
+    # Random seed 1: after the config's own trial (1 epoch), the sampler draws one 3-epoch and one 1-epoch trial.
+    loaded = load_config(research_yaml("study-a", sampler={"kind": "random", "seed": 1}))
     result = run_research(loaded, progress_live=False)
 
     study = optuna.load_study(study_name="study-a", storage=f"sqlite:///{_isolated_home / 'optuna' / 'optuna.db'}")
@@ -33,7 +34,9 @@ def test_study_logs_parent_and_nested_runs(research_yaml: Callable[..., Path], _
         expected = optuna.trial.TrialState.PRUNED if t.params["epochs"] == 3 else optuna.trial.TrialState.COMPLETE
         assert t.state == expected, (t.number, t.params, t.state)
     states = {t.state for t in trials}
-    assert states == {optuna.trial.TrialState.PRUNED, optuna.trial.TrialState.COMPLETE}  # seed 2 gives a mix
+    assert states == {optuna.trial.TrialState.PRUNED, optuna.trial.TrialState.COMPLETE}  # seed 1 gives a mix
+    # The first trial trains the config as written (research.start_from_config, on by default).
+    assert trials[0].params == {"epochs": 1, "learning_rate": 1e-3} and trials[0].user_attrs["from_config"]
 
     mlflow.set_tracking_uri(settings.mlflow_tracking_uri())
     runs = mlflow.search_runs(experiment_names=[experiment_name("study-a")], output_format="list")

@@ -167,3 +167,32 @@ def test_a_study_made_again_under_the_same_name_has_another_id(storage: Any) -> 
     assert created and study_uid(second) != uid
     assert not any(k.startswith("test:") for k in second.user_attrs), "a record of the old study leaked"
     assert tested_key(uid, "d1") != tested_key(uid, "d2")
+
+
+@pytest.mark.parametrize("older_summary", [False, True])
+def test_resume_of_a_summarised_study_hands_back_the_whole_winner(
+        research_yaml: Callable[..., Path], _isolated_home: Path, monkeypatch: pytest.MonkeyPatch,
+        older_summary: bool) -> None:
+    """Shipping can fail after the summary (a tuning error); `research resume NAME` then ships the same winner, so
+    it must get the winner's config, metrics and data digest back, not only its verdict, and look at nothing.
+    A summary written by an older version (verdict only) is written again, reusing the study's one test look."""
+    from lorafleet.research.config import load_config
+    from lorafleet.research.runner import run_research
+    from lorafleet.research.study import ATTR_FINALIZED
+
+    loaded = load_config(research_yaml("reship", n_trials=1, space=ONE_EPOCH_SPACE, reseed=False))
+    first = run_research(loaded, kind=_counting_kind(monkeypatch), progress_live=False)
+    assert first.finalized and first.winner_config and first.winner_metrics
+    if older_summary:
+        study = _study(_isolated_home, "reship")
+        done = study.user_attrs[ATTR_FINALIZED]
+        study.set_user_attr(ATTR_FINALIZED, {k: done[k] for k in (
+            "trials", "at", "candidate", "verdict", "winner_trial", "winner_adapter_dir", "winner_adapter_uri")})
+    again = _counting_kind(monkeypatch)
+    second = run_research(loaded, resume=True, kind=again, progress_live=False)
+    assert again.trained == [] and again.evaluated == [] and again.test_scorings() == []
+    for key in ("candidate", "verdict", "winner_trial", "winner_params", "winner_config", "winner_adapter_dir",
+                "winner_metrics", "reseed_metrics", "dataset_digest"):
+        assert getattr(second, key) == getattr(first, key), key
+    assert second.report_path and Path(second.report_path).is_file()
+    assert "winner_config" in _study(_isolated_home, "reship").user_attrs[ATTR_FINALIZED]

@@ -29,13 +29,18 @@ def test_the_config_file_is_the_default_recipe() -> None:
 
 
 def test_the_research_space_holds_the_knobs_that_mattered() -> None:
-    from lorafleet.research.config import load_config
+    from lorafleet.research.config import config_point, load_config
 
     loaded = load_config(HEADINGS)  # validates every choice against GenerationTrainConfig
     space = loaded.research.space
-    assert {"learning_rate", "epochs", "lr_scheduler"} <= set(space)
-    lr = space["learning_rate"]
-    assert lr.low <= load_generation_config(HEADINGS).learning_rate <= lr.high  # type: ignore[union-attr]
+    assert {"learning_rate", "lr_scheduler", "lora.r"} <= set(space)
+    # The study's first trial is the shipped recipe itself, every searched value of it inside the space.
+    point, outside = config_point(space, load_generation_config(HEADINGS))
+    assert loaded.research.start_from_config and outside == [] and set(point) == set(space)
+    # Every rank research can pick loads on the engine of configs/fleet-generative.yaml, so any winner promotes.
+    fleet = yaml.safe_load((REPO / "configs" / "fleet-generative.yaml").read_text())
+    max_rank = next(b["options"]["max_lora_rank"] for b in fleet["bases"] if b.get("runtime") == "vllm")
+    assert max(space["lora.r"].choices) <= max_rank  # type: ignore[union-attr]
 
 
 def test_every_ablation_arm_is_a_valid_config() -> None:

@@ -112,3 +112,40 @@ def test_sweep_visits_the_adapter_caches_and_recommends_them(tmp_path: Path,
     written = yaml.safe_load(result.files["profile"].read_text())
     assert written["options"]["max_cpu_loras"] == 4 and VllmOptions.model_validate(written["options"]).max_loras == 2
     assert "4 adapter id(s) in the load" in result.files["profile"].read_text()
+
+
+def test_shipping_a_generative_winner_tunes_and_registers_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`research run` on a generation config ends by shipping its winner: the engine sweep (its pure logic here,
+    _FakeSweeper), then a registered causal-lm bundle. Shipping once read a precision verdict that only the
+    embedding sweep's result carried, so every generative winner failed to ship after its full sweep."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from lorafleet import pipeline
+    from lorafleet.registry import store
+    from lorafleet.research.result import ResearchResult
+    from lorafleet.testing import build_tiny_llama
+    from lorafleet.train.generation_config import GenerationTrainConfig
+
+    base = build_tiny_llama(tmp_path / "base")
+    torch.manual_seed(0)
+    lora = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(
+        task_type="CAUSAL_LM", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    lora.save_pretrained(tmp_path / "adapter")
+    train = GenerationTrainConfig.model_validate({"base_model": str(base), "device": "cpu", "lora": {
+        "r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}})
+    client = store.client()
+    parent = client.create_run(client.create_experiment("lorafleet-research/gen")).info.run_id
+    result = ResearchResult(study="gen", storage="sqlite://", experiment="", parent_run_id=parent,
+                            objective="dev_rouge_l", task="generation", winner_trial=0,
+                            winner_config=train.model_dump(mode="json"), winner_adapter_dir=str(tmp_path / "adapter"),
+                            winner_metrics={"dev_rouge_l": 0.3, "test_rouge_l": 0.3},
+                            baseline={"best_dev_rouge_l": 0.1, "best_test_rouge_l": 0.1}, candidate=True)
+    monkeypatch.setattr(generative, "GenerativeSweeper", _FakeSweeper)
+    shipped = pipeline.ship(result, tune_quick=True, say=lambda _: None)
+    assert shipped is not None and shipped.profile_source == "tuned" and shipped.tune_dir is not None
+    _, spec = store.bundle_spec("gen", shipped.ref.version)
+    assert spec.kind == "causal-lm" and spec.metrics["test_rouge_l"] == 0.3
+    assert spec.details["train_config"]["base_model"] == str(base)
+    assert "precision_quality" not in spec.details  # no guard ran: the engine's dtype is the base's
