@@ -135,3 +135,25 @@ def exit_on_sigterm() -> None:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, handler)
+
+
+def run_in_vllm_venv(venv: Path, work: Path, script: str, spec: dict[str, Any], *, timeout: float) -> Any:
+    """Run `script` (it reads spec.json, prints one `REFERENCE <json>` line) in vLLM's venv; that JSON.
+
+    The support files the worker's engines get come too (the sitecustomize that vLLM on Intel CPUs needs)."""
+    import subprocess
+
+    from lorafleet.sidecar.vllm_files import write_support_files
+    from lorafleet.sidecar.vllm_install import venv_python
+
+    run_dir = write_support_files(work)
+    (run_dir / "reference.py").write_text(script)
+    (run_dir / "spec.json").write_text(json.dumps(spec))
+    env = {**os.environ, "PYTHONPATH": str(run_dir), "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+    env.pop("VIRTUAL_ENV", None)
+    proc = subprocess.run([str(venv_python(venv)), str(run_dir / "reference.py"), str(run_dir / "spec.json")],
+                          env=env, capture_output=True, text=True, timeout=timeout, start_new_session=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("REFERENCE ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"the vLLM reference script failed (exit {proc.returncode}): {proc.stderr[-3000:]}")
+    return json.loads(lines[-1].removeprefix("REFERENCE "))

@@ -105,3 +105,17 @@ def test_batch_budget_defaults_to_a_share_of_the_slo() -> None:
     assert scenario_budget_ms(sc["slow"], "0.4 × SLO") == 200.0
     assert scenario_budget_ms(sc["minilm"], "0.4 × SLO") == 400.0  # its SLO is twice the synthetic one
     assert scenario_budget_ms(sc["slow"], None) is None and scenario_budget_ms(sc["slow"], 150.0) == 150.0
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["m", "--reference", "transformers,onnx"], "unknown ['onnx']"),
+    (["m", "--n", "0"], "--n must be at least 1"),
+])
+def test_served_winner_refuses_bad_arguments(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+                                             ) -> None:
+    from lorafleet.bench.served_winner import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+    assert parse_args(["m", "--reference", " vllm "]).references == ["vllm"]

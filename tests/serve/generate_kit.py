@@ -4,12 +4,10 @@ and fleet-state entries written the way `lorafleet promote` writes them."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
+from lorafleet.bench.common import run_in_vllm_venv
 from lorafleet.cluster import LocalCluster
 from lorafleet.config import FleetConfig
 from lorafleet.fleet_state import FleetEntry, put_entry
@@ -117,19 +115,7 @@ def vllm_reference(venv: Path, tiny: dict[str, Path], cases: list[dict[str, Any]
 
 def run_vllm_script(venv: Path, work: Path, script: str, spec: dict[str, Any], *, timeout: float) -> Any:
     """Run `script` (reads spec.json, prints one `REFERENCE <json>` line) in vLLM's venv; that JSON."""
-    from lorafleet.sidecar.vllm_files import write_support_files
-    from lorafleet.sidecar.vllm_install import venv_python
-
-    run_dir = write_support_files(work)  # the AMX sitecustomize: vLLM on Intel CPUs needs it
-    (run_dir / "reference.py").write_text(script)
-    (run_dir / "spec.json").write_text(json.dumps(spec))
-    env = {**os.environ, "PYTHONPATH": str(run_dir), "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
-    env.pop("VIRTUAL_ENV", None)
-    proc = subprocess.run([str(venv_python(venv)), str(run_dir / "reference.py"), str(run_dir / "spec.json")],
-                          env=env, capture_output=True, text=True, timeout=timeout, start_new_session=True)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("REFERENCE ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    return json.loads(lines[-1].removeprefix("REFERENCE "))
+    return run_in_vllm_venv(venv, work, script, spec, timeout=timeout)
 
 
 async def put_fleet_entry(cluster: LocalCluster, entry: FleetEntry) -> None:
