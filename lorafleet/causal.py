@@ -301,6 +301,23 @@ def context_length(resolved: Path | str, options: dict[str, Any] | None = None) 
     return None
 
 
+def base_identity(source: str | Path) -> str | None:
+    """A content digest of the weights behind `source`, found without converting anything: `gguf:<sha256>` of
+    its GGUF, `dir:<sha256>` over a local folder's files, or None for a hub id (its weights can change upstream)."""
+    gguf = packaged_gguf(str(source))
+    if gguf is None:
+        path = Path(source).expanduser()
+        if not path.exists():
+            return None
+        gguf = find_gguf(path.resolve())
+        if gguf is None:
+            h = hashlib.sha256()
+            for f in sorted(x for x in path.resolve().rglob("*") if x.is_file()):
+                h.update(f"{f.relative_to(path.resolve())}\0{file_sha256(f)}\n".encode())
+            return "dir:" + h.hexdigest()
+    return "gguf:" + file_sha256(gguf)
+
+
 def describe_base(source: str | Path) -> dict[str, Any]:
     """What the base is, for the bundle: the configured source, plus GGUF file, sha256 and quantisation if any."""
     resolved = resolve_causal_source(source)

@@ -15,6 +15,7 @@ from lorafleet.causal import (
     PACKAGED_GGUF,
     PACKAGED_SMOLLM2,
     CausalLMError,
+    base_identity,
     convert_gguf,
     describe_base,
     file_sha256,
@@ -122,7 +123,8 @@ def load_causal_adapter(
 
 
 __all__ = [
-    "BASE_INFO_FILE", "PACKAGED_GGUF", "PACKAGED_SMOLLM2", "CausalLMError", "check_causal_config", "convert_gguf",
-    "describe_base", "file_sha256", "find_gguf", "gguf_cache_dir", "gguf_metadata", "load_causal_adapter",
-    "load_causal_base", "load_causal_tokenizer", "packaged_gguf", "resolve_causal_source", "resolve_dtype",
+    "BASE_INFO_FILE", "PACKAGED_GGUF", "PACKAGED_SMOLLM2", "CausalLMError", "base_identity", "check_causal_config",
+    "convert_gguf", "describe_base", "file_sha256", "find_gguf", "gguf_cache_dir", "gguf_metadata",
+    "load_causal_adapter", "load_causal_base", "load_causal_tokenizer", "packaged_gguf", "resolve_causal_source",
+    "resolve_dtype",
 ]

@@ -12,16 +12,26 @@
 
 A k-shot prompt that does not leave room for the answer in the model's context is refused with the
 limit named, before anything is generated.
+
+Baselines do not depend on the recipe being trained, only on the data, the bases' weights and the decoding, yet
+they cost a third of a headings run on a CPU (~8 of ~25 min). `baselines_cache_key` names everything they depend
+on; a run on the same key reuses the stored answers and metrics (`LORAFLEET_HOME/cache/generation-baselines`),
+so trying a recipe twice costs one set of baselines (`baselines.cache: false` recomputes).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
 import random
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from lorafleet.causal import PACKAGED_GEMMA3, PACKAGED_SMOLLM2, CausalLMError
+from lorafleet import settings
+from lorafleet.causal import PACKAGED_GEMMA3, PACKAGED_SMOLLM2, CausalLMError, base_identity
 from lorafleet.device import resolve_device
 from lorafleet.metrics import key, prefixed
 from lorafleet.train.causal_lm import load_causal_base
@@ -117,6 +127,63 @@ def kshot_baseline(cfg: Any, dataset: HeadingsDataset, model_source: str, prefix
     return metrics, answers
 
 
+# Bump when what a baseline computes changes (decoding, prompts, metrics): older cache entries then miss.
+BASELINES_CACHE_VERSION = 1
+
+
+def baselines_cache_key(cfg: Any, dataset: HeadingsDataset, other: str | None, splits: Sequence[str]
+                        ) -> dict[str, Any] | None:
+    """Everything the baselines of `cfg` on `dataset` depend on, or None when a base has no content digest
+    (a hub id): the dataset digest (data, system prompt, input cut), each base's weights, the base's chat
+    template, k, the decoding settings, device, dtype and the lorafleet/torch/transformers versions (how a GGUF
+    is converted, their numerics)."""
+    import torch
+    import transformers
+
+    import lorafleet
+
+    models = {"base": base_identity(cfg.base_model)}
+    if other is not None:
+        models["other"] = base_identity(other)
+    if any(v is None for v in models.values()):
+        return None
+    return {
+        "version": BASELINES_CACHE_VERSION, "dataset": dataset.digest, "splits": list(splits), "models": models,
+        "chat_template": cfg.chat_template, "kshot": cfg.baselines.kshot, "other_model": other,
+        "max_new_tokens": cfg.max_new_tokens, "eval_batch_size": cfg.eval_batch_size,
+        "device": resolve_device(cfg.device), "dtype": str(cfg.dtype), "lorafleet": lorafleet.__version__,
+        "torch": torch.__version__, "transformers": transformers.__version__,
+    }
+
+
+def baselines_cache_path(key: dict[str, Any]) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    return settings.home() / "cache" / "generation-baselines" / f"{digest}.json"
+
+
+def load_cached_baselines(key: dict[str, Any]) -> dict[str, Any] | None:
+    """The stored entry for `key`, or None (none stored, unreadable, or stored under another key)."""
+    path = baselines_cache_path(key)
+    try:
+        entry = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        log.warning("ignoring the unreadable baselines cache %s (%s); recomputing", path, e)
+        return None
+    return entry if isinstance(entry, dict) and entry.get("key") == key else None
+
+
+def store_cached_baselines(key: dict[str, Any], entry: dict[str, Any]) -> Path:
+    """Write `entry` under `key` atomically (a run killed mid-write leaves no half file to reuse)."""
+    path = baselines_cache_path(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({**entry, "key": key}, ensure_ascii=False))
+    os.replace(tmp, path)
+    return path
+
+
 def best_baseline(metrics: dict[str, float], prefixes: Sequence[str], splits: Sequence[str] = ("dev", "test")
                   ) -> dict[str, float]:
     """`best_{split}_{metric}`: per score metric, the highest of the baselines `prefixes` that have it."""
@@ -137,6 +204,8 @@ def best_label(metrics: dict[str, float], prefixes: Sequence[str], split: str = 
 
 
 __all__ = [
-    "BEST", "KSHOT", "OTHER_KSHOT", "KShotOverflowError", "best_baseline", "best_label", "check_context",
-    "kshot_baseline", "kshot_examples", "kshot_prompt", "kshot_prompts", "model_context", "other_model",
+    "BASELINES_CACHE_VERSION", "BEST", "KSHOT", "OTHER_KSHOT", "KShotOverflowError", "baselines_cache_key",
+    "baselines_cache_path", "best_baseline", "best_label", "check_context", "kshot_baseline", "kshot_examples",
+    "kshot_prompt", "kshot_prompts", "load_cached_baselines", "model_context", "other_model",
+    "store_cached_baselines",
 ]

@@ -43,6 +43,10 @@ class GenerationBaselineSettings(StrictModel):
     other_model: str | None = Field(
         "auto", description="The k-shot prompt on another base: 'auto' is the other packaged one "
         "(SmolLM2-135M-Instruct <-> gemma-3-270m; none for other bases), a model source, or null for none.")
+    cache: bool = Field(
+        True, description="Reuse the baselines of an earlier run on this LORAFLEET_HOME with the same dataset digest, "
+        "the same base weights (by content digest), decoding settings and library versions; false recomputes them. "
+        "A hub-id base is never reused (its weights can change upstream).")
 
 
 class GenerationTrainConfig(StrictModel):

@@ -21,16 +21,26 @@ from lorafleet.metrics import prefixed
 from lorafleet.tasks import TrainResult
 from lorafleet.train import tracking
 from lorafleet.train.byo_generation import GenerationDatasetData, build_byo_generation
-from lorafleet.train.causal_lm import describe_base, load_causal_adapter, load_causal_base, load_causal_tokenizer
+from lorafleet.train.causal_lm import (
+    base_identity,
+    describe_base,
+    load_causal_adapter,
+    load_causal_base,
+    load_causal_tokenizer,
+)
 from lorafleet.train.generation import GenerationTrainConfig, evaluate_split, train_generation
 from lorafleet.train.generation_baselines import (
     BEST,
     KSHOT,
     OTHER_KSHOT,
+    baselines_cache_key,
+    baselines_cache_path,
     best_baseline,
     best_label,
     kshot_baseline,
+    load_cached_baselines,
     other_model,
+    store_cached_baselines,
 )
 from lorafleet.train.generation_eval import (
     TEXT_METRICS,
@@ -58,6 +68,8 @@ class Baselines:
     predictions: dict[str, dict[str, list[str]]] = field(default_factory=dict)  # baseline → split → answers
     lead_words: int = 0
     other_model: str | None = None
+    cached: str | None = None  # the cache file they were reused from (None: computed by this run)
+    seconds: float = 0.0  # what computing them took (in the run that did)
 
     @property
     def names(self) -> list[str]:
@@ -77,7 +89,32 @@ def build_generation_dataset(cfg: GenerationTrainConfig, *, data_root: Path | No
 def generation_baselines(cfg: GenerationTrainConfig, dataset: HeadingsDataset,
                          splits: tuple[str, ...] = ("dev", "test")) -> Baselines:
     """The lead baseline, the base model, its k-shot prompt and the other base's, decoded like the LoRA, on
-    `splits`; `best_*` is the best of them per metric (what the gate compares against)."""
+    `splits`; `best_*` is the best of them per metric (what the gate compares against). Reused from an earlier
+    run with the same `baselines_cache_key` unless `baselines.cache` is off."""
+    other = other_model(cfg.base_model, cfg.baselines.other_model) if cfg.baselines.kshot > 0 else None
+    key = baselines_cache_key(cfg, dataset, other, splits) if cfg.baselines.cache else None
+    if cfg.baselines.cache and key is None:
+        hub = [m for m in (cfg.base_model, other) if m is not None and base_identity(m) is None]
+        log.info("baselines: not stored for reuse, as %s names a hub model whose weights can change upstream",
+                 " and ".join(hub))
+    entry = load_cached_baselines(key) if key is not None else None
+    if entry is not None:
+        out = Baselines(metrics=entry["metrics"], predictions=entry["predictions"], lead_words=entry["lead_words"],
+                        other_model=entry["other_model"], cached=str(baselines_cache_path(key)),
+                        seconds=entry["seconds"])
+        log.info("baselines reused from an earlier run with the same data, bases and decoding (%s; computing them "
+                 "took %.0f s); `--set baselines.cache=false` recomputes them", out.cached, out.seconds)
+        return out
+    out = _compute_baselines(cfg, dataset, splits, other)
+    if key is not None:
+        store_cached_baselines(key, {"metrics": out.metrics, "predictions": out.predictions,
+                                     "lead_words": out.lead_words, "other_model": out.other_model,
+                                     "seconds": out.seconds})
+    return out
+
+
+def _compute_baselines(cfg: GenerationTrainConfig, dataset: HeadingsDataset, splits: tuple[str, ...],
+                       other: str | None) -> Baselines:
     train = dataset.examples["train"]
     n = fit_lead_length([ex.input for ex in train], [ex.heading for ex in train])
     out = Baselines(metrics={}, predictions={"lead": {}, "base": {}}, lead_words=n)
@@ -96,14 +133,15 @@ def generation_baselines(cfg: GenerationTrainConfig, dataset: HeadingsDataset,
         m, out.predictions[KSHOT] = kshot_baseline(cfg, dataset, cfg.base_model, KSHOT, splits,
                                                    chat_template=cfg.chat_template)
         out.metrics.update(m)
-        out.other_model = other_model(cfg.base_model, cfg.baselines.other_model)
+        out.other_model = other
         if out.other_model is not None:
             m, out.predictions[OTHER_KSHOT] = kshot_baseline(cfg, dataset, out.other_model, OTHER_KSHOT, splits)
             out.metrics.update(m)
     out.metrics.update(best_baseline(out.metrics, out.names, splits))
+    out.seconds = round(time.perf_counter() - t0, 1)
     log.info("baselines (test ROUGE-L): %s; best %s (%.0f s)", ", ".join(
         f"{p} {out.metrics.get(f'{p}_test_rouge_l', float('nan')):.4f}" for p in out.names),
-        best_label(out.metrics, out.names), time.perf_counter() - t0)
+        best_label(out.metrics, out.names), out.seconds)
     return out
 
 
@@ -178,6 +216,8 @@ def write_generation_report(path: Path, cfg: GenerationTrainConfig, dataset: Hea
         f"lr {cfg.learning_rate}, epochs {cfg.epochs}, batch {cfg.batch_size}×{cfg.gradient_accumulation_steps}, "
         f"packing {cfg.packing}; {int(m.get('trainable_params', 0)):,} trainable parameters, "
         f"adapter {m.get('adapter_size_mb', float('nan')):.1f} MB",
+        *([f"- baselines reused from an earlier run with the same data, bases and decoding (`{baselines.cached}`; "
+           f"computing them took {baselines.seconds:.0f} s)"] if baselines.cached else []),
         f"- lead baseline: the section's first {baselines.lead_words} words (the length with the best ROUGE-L on the "
         "training split)",
         (f"- k-shot: {cfg.baselines.kshot} training examples as prior turns, on `{cfg.base_model}`"
@@ -271,7 +311,7 @@ def run_generation_train(cfg: GenerationTrainConfig, out_dir: Path | None = None
             "train_cost": result.extras["train_cost"], "stages": stages, "dataset_digest": dataset.digest,
             "dataset": dataset.summary(),
             "base": result.extras.get("base") or describe_base(cfg.base_model), "lead_words": baselines.lead_words,
-            "other_model": baselines.other_model,
+            "other_model": baselines.other_model, "baselines_cached": baselines.cached,
         }, indent=2, sort_keys=True))
         if run is not None:
             tracking.log_result(run, result, out, live_epochs=True, task=TASK)

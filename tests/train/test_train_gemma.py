@@ -1,5 +1,5 @@
 """Gemma's turn template (training and serving render the same tokens and stop at `<end_of_turn>`), the k-shot
-baselines on a tiny random Llama, and the packaged gemma-3-270m itself (integration)."""
+baselines on a tiny random Llama (and their reuse across runs), and the packaged gemma-3-270m itself (integration)."""
 
 from __future__ import annotations
 
@@ -7,17 +7,20 @@ from pathlib import Path
 
 import pytest
 
-from lorafleet.causal import GEMMA_CHAT_TEMPLATE, _fill_chat_template
+from lorafleet.causal import GEMMA_CHAT_TEMPLATE, _fill_chat_template, base_identity
 from lorafleet.train.causal_lm import load_causal_base
 from lorafleet.train.generation import GenerationLoraSettings, GenerationTrainConfig, build_sft_trainer
 from lorafleet.train.generation_baselines import (
     KShotOverflowError,
+    baselines_cache_key,
+    baselines_cache_path,
     check_context,
     kshot_baseline,
     kshot_examples,
     kshot_prompts,
     other_model,
 )
+from lorafleet.train.generation_run import generation_baselines
 from lorafleet.train.headings import HeadingsDataConfig, build_headings
 from lorafleet.train.statutes import parse_law
 
@@ -121,6 +124,54 @@ def test_kshot_baseline_on_a_tiny_llama(tiny_llama: Path, data_dir: Path) -> Non
     assert other_model("SmolLM2-135M-Instruct", "auto") == "gemma-3-270m"
     assert other_model("gemma-3-270m", "auto") == "SmolLM2-135M-Instruct"
     assert other_model(str(tiny_llama), "auto") is None and other_model("x", None) is None
+
+
+def test_baselines_are_reused_only_for_the_same_data_weights_and_decoding(tiny_llama: Path, data_dir: Path,
+                                                                          tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil
+
+    import lorafleet.train.generation_baselines as gb
+    import lorafleet.train.generation_run as gr
+
+    cfg = _cfg(tiny_llama)
+    _, tok = load_causal_base(cfg.base_model)
+    dataset = build_headings(cfg.data, tok, data_root=data_dir)
+    first = generation_baselines(cfg, dataset)
+    assert first.cached is None and first.seconds > 0 and {"base", "kshot"} <= set(first.names)
+    key = baselines_cache_key(cfg, dataset, None, ("dev", "test"))
+    assert key is not None and baselines_cache_path(key).is_file()
+
+    def no_model(*a: object, **k: object) -> None:
+        raise AssertionError("a baseline model was loaded")
+
+    monkeypatch.setattr(gr, "load_causal_base", no_model)
+    monkeypatch.setattr(gb, "load_causal_base", no_model)
+    again = generation_baselines(cfg, dataset)  # a second run: no model is loaded, the same numbers come back
+    assert again.cached == str(baselines_cache_path(key))
+    assert (again.metrics, again.predictions, again.lead_words) == (first.metrics, first.predictions,
+                                                                    first.lead_words)
+    # A recipe change the baselines do not depend on keeps the key.
+    assert baselines_cache_key(_cfg(tiny_llama, learning_rate=1e-4, epochs=3), dataset, None, ("dev", "test")) == key
+    # What they depend on changes it: k, decoding, the data, the weights.
+    assert baselines_cache_key(_cfg(tiny_llama, baselines={"kshot": 1, "other_model": None}), dataset, None,
+                               ("dev", "test")) != key
+    assert baselines_cache_key(_cfg(tiny_llama, max_new_tokens=5), dataset, None, ("dev", "test")) != key
+    other_data = build_headings(_cfg(tiny_llama, data=HeadingsDataConfig(
+        laws=LAWS, input_max_tokens=32, system_prompt="Nenne die Überschrift.", dev_fraction=0.15,
+        test_fraction=0.15, max_eval_examples=6)).data, tok, data_root=data_dir)
+    assert baselines_cache_key(cfg, other_data, None, ("dev", "test")) != key
+    copy = shutil.copytree(tiny_llama, tmp_path / "copy")
+    assert base_identity(copy) == base_identity(tiny_llama)
+    with (copy / "config.json").open("a") as f:
+        f.write("\n")
+    assert base_identity(copy) != base_identity(tiny_llama)
+    assert base_identity("some-org/some-model") is None  # a hub id: never reused
+    with pytest.raises(AssertionError, match="was loaded"):  # off: recomputed
+        generation_baselines(_cfg(tiny_llama, baselines={"kshot": 2, "other_model": None, "cache": False}), dataset)
+    baselines_cache_path(key).write_text("{not json")  # unreadable: recomputed, not trusted
+    with pytest.raises(AssertionError, match="was loaded"):
+        generation_baselines(cfg, dataset)
 
 
 def test_kshot_prompts_over_the_context_are_refused_naming_the_limit(tiny_llama: Path, data_dir: Path) -> None:
