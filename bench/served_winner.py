@@ -8,8 +8,9 @@ compared with direct generation:
 
 - `transformers`: the base and the adapter loaded as evaluation loads them (`train.dtype`, float32 on a CPU) and
   `generate_answers`, the very path that scored the bundle's test ROUGE-L;
-- `vllm` (needs the vLLM venv): a direct vLLM engine with the adapter, the serving engine's dtype (bfloat16 on a
-  CPU), fed the prompt token ids that the training side's tokenizer renders.
+- `vllm` (needs the vLLM venv): a direct vLLM engine with the adapter, at the precision the bundle was judged at
+  (what a base under `precision: auto` serves it at: float32 unless tune's guard qualified bf16; issue 39), fed
+  the prompt token ids that the training side's tokenizer renders.
 
 Answers are compared after evaluation's cleaning (the first non-empty line, stripped), which is what a score or a
 user reads. A difference from `vllm` is a serving defect; one from `transformers` alone is the engine's precision
@@ -80,8 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def winner_task(name: str, version: str) -> tuple[Any, Path, Any]:
-    """(version info, adapter folder, the winner's GenerationTrainConfig)."""
+def winner_task(name: str, version: str) -> tuple[Any, Path, Any, str | None]:
+    """(version info, adapter folder, the winner's GenerationTrainConfig, the precision it was judged at)."""
     from lorafleet.pipeline import TRAIN_CONFIG
     from lorafleet.registry import store
     from lorafleet.train.generation_config import GenerationTrainConfig
@@ -92,7 +93,7 @@ def winner_task(name: str, version: str) -> tuple[Any, Path, Any]:
     raw = spec.details.get(TRAIN_CONFIG)
     if not raw:
         raise SystemExit(f"{name} v{info.version} records no {TRAIN_CONFIG!r}: its test sections cannot be rebuilt")
-    return info, adapter, GenerationTrainConfig.model_validate(raw)
+    return info, adapter, GenerationTrainConfig.model_validate(raw), spec.precision
 
 
 def served_answers(url: str, name: str, prompts: list[list[dict[str, str]]], max_tokens: int,
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     from lorafleet.train.generation_eval import clean_answer, generate_answers
     from lorafleet.train.headings import build_headings
 
-    info, adapter, cfg = winner_task(args.name, args.version)
+    info, adapter, cfg, judged = winner_task(args.name, args.version)
     tokenizer = load_causal_tokenizer(cfg.base_model, cfg.chat_template)
     dataset = build_headings(cfg.data, tokenizer)
     prompts = dataset.prompts("test")[: args.n]
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             token_ids = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True,
                                                        return_dict=True)["input_ids"] for p in prompts]
-            dtype = "bfloat16"  # the vllm runtime's default on a CPU (sidecar/vllm_runtime.py)
+            dtype = "bfloat16" if judged == "bf16" else "float32"  # what `auto` serves it at (vllm_runtime.py)
             with tempfile.TemporaryDirectory(prefix="served-winner-") as work:
                 raw = run_in_vllm_venv(venv, Path(work), _VLLM_REFERENCE, {
                     "model": str(resolve_causal_source(cfg.base_model)), "adapter": str(adapter),

@@ -14,10 +14,13 @@ A source is one of
 
 transformers loads a GGUF with `gguf_file=` (needs the `gguf` package) but refuses to `save_pretrained`
 the result, and dequantising takes ~20 s on every load. So a GGUF is converted once into a normal
-safetensors folder under `LORAFLEET_HOME/models/<gguf stem>-<sha256[:12]>`, tokenizer and chat template
-included, with `lorafleet_base.json` saying where the weights came from (they are dequantised Q4_1, not
-the original bf16 checkpoint). The folder is written under a temporary name and renamed into place, so
-concurrent processes never see half a folder; the loser of a race drops its copy.
+safetensors folder under `LORAFLEET_HOME/models/<gguf stem>-<sha256[:12]>-c<converter[:8]>`, tokenizer and
+chat template included, with `lorafleet_base.json` saying where the weights came from (they are dequantised
+Q4_1, not the original bf16 checkpoint). `converter_identity` (the conversion code and the transformers and
+gguf versions that dequantise) is part of the name, so a folder written by an older converter (one before
+the Gemma template fill, say) is never reused: the new converter writes its own. The folder is written
+under a temporary name and renamed into place, so concurrent processes never see half a folder; the loser
+of a race drops its copy.
 """
 
 from __future__ import annotations
@@ -155,8 +158,27 @@ def file_sha256(path: Path) -> str:
     return _SHA_CACHE[key]
 
 
+def converter_identity() -> str:
+    """sha256 of what a converted folder depends on besides its GGUF: the source of the functions that write it
+    (and the Gemma template they fill in), and the transformers and gguf versions that dequantise."""
+    import inspect
+    from importlib.metadata import PackageNotFoundError, version
+
+    h = hashlib.sha256()
+    for fn in (_convert_gguf, _fill_chat_template, gguf_metadata):
+        h.update(inspect.getsource(fn).encode())
+    h.update(f"{GEMMA_CHAT_TEMPLATE}\0{GEMMA_END_OF_TURN}\0".encode())
+    for package in ("transformers", "gguf"):
+        try:
+            h.update(f"{package}=={version(package)}\0".encode())
+        except PackageNotFoundError:
+            h.update(f"{package} missing\0".encode())
+    return h.hexdigest()
+
+
 def gguf_cache_dir(gguf: Path) -> Path:
-    return settings.home() / "models" / f"{gguf.stem}-{file_sha256(gguf)[:12]}"
+    """Where `gguf` is converted: named by its content and by the converter (`converter_identity`)."""
+    return settings.home() / "models" / f"{gguf.stem}-{file_sha256(gguf)[:12]}-c{converter_identity()[:8]}"
 
 
 def gguf_metadata(gguf: Path) -> dict[str, Any]:
@@ -231,6 +253,7 @@ def _convert_gguf(gguf: Path, dest: Path, source: str | None) -> Path:
             **gguf_metadata(gguf),
             "weights": "dequantised from the GGUF to float32",
             "chat_template": template,
+            "converter": converter_identity(),
             "parameters": sum(p.numel() for p in model.parameters()),
         }
         (tmp / BASE_INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
@@ -302,8 +325,10 @@ def context_length(resolved: Path | str, options: dict[str, Any] | None = None) 
 
 
 def base_identity(source: str | Path) -> str | None:
-    """A content digest of the weights behind `source`, found without converting anything: `gguf:<sha256>` of
-    its GGUF, `dir:<sha256>` over a local folder's files, or None for a hub id (its weights can change upstream)."""
+    """A content digest of the model folder behind `source`, found without converting anything: for a GGUF
+    `gguf:<sha256>+converter:<converter_identity>` (the converted folder is a function of both: its weights,
+    tokenizer, chat template and stop tokens), `dir:<sha256>` over a local folder's files, or None for a hub id
+    (its weights can change upstream)."""
     gguf = packaged_gguf(str(source))
     if gguf is None:
         path = Path(source).expanduser()
@@ -315,7 +340,7 @@ def base_identity(source: str | Path) -> str | None:
             for f in sorted(x for x in path.resolve().rglob("*") if x.is_file()):
                 h.update(f"{f.relative_to(path.resolve())}\0{file_sha256(f)}\n".encode())
             return "dir:" + h.hexdigest()
-    return "gguf:" + file_sha256(gguf)
+    return f"gguf:{file_sha256(gguf)}+converter:{converter_identity()}"
 
 
 def describe_base(source: str | Path) -> dict[str, Any]:

@@ -8,7 +8,8 @@ core module imports no stage.
 
 Security by default (docs/security.md): nats-server runs with authentication on; the role
 credentials live in `<home>/creds` (0600) and each part gets only its own (gateway, worker);
-the admin credential applies the layout (streams, fleet bucket) at start. `tls=True` adds a
+the admin credential applies the layout (streams, buckets) at start, and a layout keeper in this
+process (layout.py) creates again a stream or bucket that is lost: no other role may create streams. `tls=True` adds a
 private CA and a TLS-only server. `auth=False` is the old open server (`--insecure-no-auth`).
 
 With `supervise=True` a supervisor thread (supervisor.py) restarts a part that exits, with back-off.
@@ -41,23 +42,21 @@ from lorafleet import plugins, settings
 from lorafleet.cluster_state import STATE_FILE, ClusterError, ClusterState, collect_status, down
 from lorafleet.config import FleetConfig, load_yaml_model
 from lorafleet.device import nvidia_gpu_present
-from lorafleet.fleet_state import ensure_config_bucket, ensure_fleet_bucket, purge_legacy_fleet_config, put_fleet_config
 from lorafleet.heartbeats import ENV_RESTARTS
+from lorafleet.layout import LayoutKeeper, apply_layout
 from lorafleet.nats_auth import TlsFiles
-from lorafleet.nats_client import ClientSettings, join_urls, quiet_tls_noise, server_urls
+from lorafleet.nats_client import ClientSettings, join_urls
 from lorafleet.nats_cluster import local_nats, plan_replicas, recorded_nodes
 from lorafleet.nats_server import NatsServer, NatsServerError, free_port, port_open
 from lorafleet.nats_tls import issue_certificate, make_self_signed_ca
 from lorafleet.processes import find_parts, pid_alive, stop_group
-from lorafleet.queue import ensure_fleet_streams
 from lorafleet.supervisor import RestartPolicy, Supervisor
 from lorafleet.threads import auto_workers, available_cpus, plan_threads, pool_env
 
-__all__ = ["ClusterError", "ClusterState", "LocalCluster", "collect_status", "down", "load_fleet", "pid_alive",
-           "stop_group"]
+__all__ = ["ClusterError", "ClusterState", "LocalCluster", "apply_layout", "collect_status", "down", "load_fleet",
+           "pid_alive", "stop_group"]
 
 ROLE_OF_PART = {"gateway": "gateway"}  # every other part but the nats-server node(s) is a worker
-LAYOUT_TIMEOUT_S = 30.0  # a cluster's JetStream may answer "temporarily unavailable" for a moment after start
 
 
 def run_async(coro: Coroutine[Any, Any, Any]) -> Any:
@@ -76,37 +75,6 @@ def run_async(coro: Coroutine[Any, Any, Any]) -> Any:
     if "error" in box:
         raise box["error"]
     return box.get("value")
-
-
-async def apply_layout(url: str, options: dict[str, Any], fleet: FleetConfig) -> None:
-    """With the admin credential: the streams as the fleet file says (created or reconfigured), the fleet bucket,
-    and the fleet file for processes on other hosts in its own bucket, which only admin may write (it names what
-    a joining worker runs; control, which writes the fleet bucket, must not choose that)."""
-    import nats
-    from nats.errors import NoRespondersError
-    from nats.errors import TimeoutError as NatsTimeoutError
-    from nats.js.errors import ServiceUnavailableError
-
-    quiet_tls_noise()
-    nc = await nats.connect(server_urls(url), allow_reconnect=False, connect_timeout=5, **options)
-    deadline = time.monotonic() + LAYOUT_TIMEOUT_S
-    try:
-        js = nc.jetstream()
-        while True:
-            try:
-                await ensure_fleet_streams(js, fleet, update=True)
-                kv = await ensure_fleet_bucket(js, replicas=fleet.nats.stream_replicas())
-                await purge_legacy_fleet_config(kv)  # where older versions kept it, writable by control
-                config = await ensure_config_bucket(js, replicas=fleet.nats.stream_replicas())
-                await put_fleet_config(config, fleet)  # for workers and gateways that join from other hosts
-                return
-            except (ServiceUnavailableError, NoRespondersError, NatsTimeoutError) as exc:
-                if time.monotonic() > deadline:  # a new cluster's stream leaders are still being elected
-                    raise ClusterError(f"JetStream did not accept the streams within {LAYOUT_TIMEOUT_S:.0f}s: "
-                                       f"{exc!r}") from exc
-                await asyncio.sleep(0.2)
-    finally:
-        await nc.close()
 
 
 def default_workers(fleet: FleetConfig, worker_threads: int | None = None) -> tuple[int, str]:
@@ -165,6 +133,7 @@ class LocalCluster:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.state: ClusterState | None = None
         self.supervisor: Supervisor | None = None
+        self.keeper: LayoutKeeper | None = None  # heals the streams and buckets, with admin (layout.py)
         self._argv: dict[str, list[str]] = {}
         self._lock = threading.RLock()
 
@@ -242,6 +211,8 @@ class LocalCluster:
                 pids={n: s.pid for n, s in self.nats_servers.items() if s.pid}, auth=self.auth, tls=tls_files,
                 supervisor_pid=self.supervisor_pid, nats_host=self.host, nats_nodes=recorded_nodes(self.nats_servers))
             run_async(apply_layout(self.nats_url, self.client_options("admin"), self.fleet))
+            self.keeper = LayoutKeeper(self.nats_url, self.client_options("admin"), self.fleet,
+                                       on_event=self.on_event).start()
             for i in range(self.workers):
                 self.start_worker(f"worker-{i + 1}")
             self._say(progress, f"starting {self.workers} worker(s) and the gateway…")
@@ -403,6 +374,7 @@ class LocalCluster:
         if self.supervisor is not None:
             self.supervisor.stop()
             self.supervisor = None
+        self._stop_keeper()
         self.procs.clear()
         self.nats = None
         self.nats_servers = {}
@@ -430,6 +402,7 @@ class LocalCluster:
         if self.supervisor is not None:
             self.supervisor.stop()
             self.supervisor = None
+        self._stop_keeper()
         with self._lock:
             procs = dict(self.procs)
             self.procs.clear()
@@ -446,6 +419,11 @@ class LocalCluster:
             server.stop()
         with contextlib.suppress(FileNotFoundError):
             (self.home / STATE_FILE).unlink()
+
+    def _stop_keeper(self) -> None:
+        if self.keeper is not None:
+            self.keeper.stop()
+            self.keeper = None
 
     def __enter__(self) -> LocalCluster:
         return self.start()

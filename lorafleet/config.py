@@ -75,8 +75,8 @@ class ServingProfile(StrictModel):
     )
     precision: Literal["auto", "fp32", "bf16", "fp16", "int8"] | None = Field(
         None,
-        description="The precision this profile was measured at (null: not recorded). Informational: a worker "
-        "serves a base at one precision, the base's own `bases[].precision`, whatever its adapters' profiles say.",
+        description="The precision this profile was measured (and its quality judged) at; null: not recorded. A "
+        "worker serves a base at one precision: under `bases[].precision: auto`, the one its models were judged at.",
     )
 
 
@@ -140,9 +140,10 @@ class BaseModelSpec(StrictModel):
     precision: Literal["auto", "fp32", "bf16", "fp16", "int8"] = Field(
         "auto",
         description="Number format the base computes in: fp32; bf16 (CPUs with native bf16, CUDA); fp16 (CUDA); "
-        "int8 (dynamic quantisation, CPU, no adapters); auto: the fastest the runtime supports on the worker's "
-        "device whose probe vectors keep a cosine of 0.999 to fp32's (checked once per model and device, cached "
-        "under LORAFLEET_HOME). An explicit precision the runtime cannot run there stops `lorafleet up`.",
+        "int8 (dynamic quantisation, CPU, no adapters); auto: what the models served on it were judged at (their "
+        "bundles' tuned precision; fp32, the gated precision, without one, or where they differ; embeddings without "
+        "one are probed with their adapter, cosine 0.999 to fp32's, cached under LORAFLEET_HOME). An explicit "
+        "precision overrides that (promote says so); one the runtime cannot run there stops `lorafleet up`.",
     )
     scale_to_zero: bool = Field(
         False,

@@ -246,17 +246,31 @@ def bucket_index(seconds: float) -> int:
 
 
 @dataclass(frozen=True, slots=True)
+class RouteKeys:
+    """The requests to one name under a canary (keyed by its canary version) that a route key split, as one gateway
+    counted them (issue 38: `status` warns when one key carries most of them). `top`: the busiest keys as
+    (digest, source, count), source header | api-key | address; a digest of the key, never the key."""
+
+    requests: int = 0
+    keys: int = 0  # distinct keys seen (a gateway keeps at most a bounded number)
+    top: tuple[tuple[str, str, int], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class GatewayStats:
     """One gateway's cumulative per-version counters, keyed (name, version)."""
 
     gateway: str
     versions: dict[tuple[str, str], VersionCounts]
     ts: float = field(default_factory=time.time)
+    route_keys: dict[tuple[str, str], RouteKeys] = field(default_factory=dict)  # (name, canary version) → keys
 
     def to_wire(self) -> bytes:
         return pack({"v": 1, "gateway": self.gateway, "ts": self.ts,
                      "versions": [[m, v, c.requests, c.errors, list(c.buckets), c.empty]
-                                  for (m, v), c in sorted(self.versions.items())]})
+                                  for (m, v), c in sorted(self.versions.items())],
+                     "route_keys": [[m, v, k.requests, k.keys, [list(t) for t in k.top]]
+                                    for (m, v), k in sorted(self.route_keys.items())]})
 
     @classmethod
     def from_wire(cls, data: bytes) -> GatewayStats:
@@ -267,7 +281,10 @@ class GatewayStats:
                 for row in d["versions"]}
             if any(len(c.buckets) != len(STATS_BUCKETS) + 1 for c in versions.values()):
                 raise ValueError("latency buckets differ from STATS_BUCKETS")
-            return cls(str(d["gateway"]), versions, float(d.get("ts", 0.0)))
+            route_keys = {(str(row[0]), str(row[1])): RouteKeys(  # an older gateway sends none
+                int(row[2]), int(row[3]), tuple((str(t[0]), str(t[1]), int(t[2])) for t in row[4]))
+                for row in d.get("route_keys", ())}
+            return cls(str(d["gateway"]), versions, float(d.get("ts", 0.0)), route_keys)
         except Exception as exc:
             raise WireError(f"gateway stats malformed: {exc}") from exc
 

@@ -74,13 +74,16 @@ def flatten_params(tree: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
 
 def ndcg_at_k(ranked: Mapping[str, list[str]], qrels: Mapping[str, Mapping[str, float]], k: int = 10) -> float:
     """Mean nDCG@k over the queries of `qrels`: `ranked[qid]` is the corpus ids best first, `qrels[qid]` the graded
-    relevance of the relevant ones (linear gain, log2 discount). A query with no relevant document is skipped; one
-    missing from `ranked` scores 0. Pure, so any stage can score a ranking without another stage's evaluator."""
+    relevance of the relevant ones (linear gain, log2 discount). A grade ≤ 0 gains nothing, as in ranx, which drops
+    judgments below its `rel_lvl` (1 by default; a grade between 0 and 1 still counts here): a document judged -1
+    takes a rank, it never makes the score negative. A query with no relevant document is skipped; one missing from
+    `ranked` scores 0. Pure, so any stage can score a ranking without another stage's evaluator."""
     scores: list[float] = []
     for qid, rels in qrels.items():
-        ideal = sorted((float(r) for r in rels.values() if r > 0), reverse=True)[:k]
+        gains = {doc: float(r) for doc, r in rels.items() if r > 0}
+        ideal = sorted(gains.values(), reverse=True)[:k]
         if not ideal:
             continue
-        dcg = sum(float(rels.get(doc, 0.0)) / math.log2(i + 2) for i, doc in enumerate(ranked.get(qid, [])[:k]))
+        dcg = sum(gains.get(doc, 0.0) / math.log2(i + 2) for i, doc in enumerate(ranked.get(qid, [])[:k]))
         scores.append(dcg / sum(r / math.log2(i + 2) for i, r in enumerate(ideal)))
     return sum(scores) / len(scores) if scores else 0.0

@@ -80,7 +80,12 @@ class Permissions:
 # --- The permission table ------------------------------------------------------------------------
 # Templates: {me} this credential's public key; {work}, {dlq} the stream names; {kv} the fleet
 # bucket's stream (KV_<bucket>); {bucket} the bucket; {cfgkv} the stream of the bucket that holds the fleet
-# file (`lorafleet up` writes it with admin, nobody else may). No role but admin has STREAM.DELETE/PURGE/UPDATE.
+# file (`lorafleet up` writes it with admin, nobody else may). No role but admin has STREAM.CREATE/UPDATE/DELETE/
+# PURGE: a stream's creator chooses its whole config (a RePublish into `$KV.<config bucket>._fleet` rewrites the
+# fleet file) and NATS permissions name the stream, never its config; admin's layout keeper (layout.py) heals a
+# lost one. Consumers stay: the workers' (CONSUMER.CREATE on the work stream) and every reader's (an ephemeral one
+# on the fleet bucket, for a KV watch). A consumer stores nothing itself; what it (or any answer: every client names
+# its reply subjects) delivers to `$KV.<config bucket>.>` is refused there, for that bucket is sealed (layout.py).
 _OWN_INBOX = f"{PRIVATE_INBOX}.{{me}}.>"  # JetStream answers, pulled tasks, receipts, KV watch deliveries
 _QUEUE_INFO = (
     "$JS.API.INFO",
@@ -108,9 +113,7 @@ PERMISSIONS: dict[Role, Permissions] = {
     "gateway": Permissions(
         publish=(
             f"{WORK_PREFIX}.>",  # tasks; the JetStream ack comes back on the private inbox
-            *_QUEUE_INFO,
-            # Self-healing: create the streams and the bucket when missing; never update, purge or delete.
-            "$JS.API.STREAM.CREATE.{work}", "$JS.API.STREAM.CREATE.{dlq}", "$JS.API.STREAM.CREATE.{kv}",
+            *_QUEUE_INFO,  # a lost stream is waited for (admin's layout keeper creates it), never created here
             # Take back the tasks of a request the stream refused part of (by sequence), so none is computed
             # for nobody; it could already flood the stream, so this adds no new harm.
             "$JS.API.STREAM.MSG.DELETE.{work}",
@@ -143,8 +146,7 @@ PERMISSIONS: dict[Role, Permissions] = {
     ),
     # promote/rollback (and a CI job that promotes): served names, staged preloads, promote locks. Never the
     # fleet file, which names what workers execute: it lives in the config bucket, which only admin writes;
-    # nor the old `_fleet` key a worker of an older version may still read. No STREAM.CREATE: a creator chooses
-    # the stream's config (republish into any subject, the config bucket's included), and promote needs none.
+    # nor the old `_fleet` key a worker of an older version may still read. No STREAM.CREATE (see above).
     "control": Permissions(
         publish=(
             "$KV.{bucket}.>",  # put / delete / purge a key (not the bucket)

@@ -35,6 +35,7 @@ from lorafleet.research.result import ResearchResult
 from lorafleet.research.runner import loaded_from_study, run_research
 from lorafleet.tasks import get_task_kind
 from lorafleet.tune.config import TuneConfig, TuneError
+from lorafleet.tune.generation_guard import GenerationDev
 from lorafleet.tune.precision import DevSet
 from lorafleet.tune.source import TuneSource, from_adapter_dir
 from lorafleet.tune.sweep import run_tune
@@ -54,6 +55,7 @@ PRECISION_QUALITY = "precision_quality"
 # 128 tokens: 800 long texts took 15 s on a loaded 2-core machine; queries are short): a seeded
 # sample of dev queries, the documents they need, and a seeded sample of the rest up to DEV_MAX_DOCUMENTS.
 DEV_MAX_QUERIES = 200
+GENERATION_DEV_MAX = 64  # dev prompts the generative guard answers at each precision (greedy, through the engine)
 DEV_MAX_DOCUMENTS = 400
 
 
@@ -175,7 +177,10 @@ def ship(result: ResearchResult, *, name: str | None = None, tune: bool = True, 
     ref = register_bundle(
         name, adapter_dir, base_source=base_source, base_name=kind.base_name(cfg), profile=profile,
         profile_source=profile_source,
+        # `baseline` is what the winner was judged against (its own config's baselines and the kind's rivals), and
+        # `margin` the margin it was judged by: promotion gates against the same numbers at the same margin.
         metrics={**result.baseline, **result.winner_metrics}, dataset_digest=result.dataset_digest,
+        margin=result.margin,
         report_paths=reports, max_seq_length=details.pop("max_seq_length", None), run_id=result.parent_run_id,
         alias=CANDIDATE, description=result.verdict or None, task=kind.name, kind=kind.bundle_kind,
         runtime=kind.default_runtime,
@@ -198,7 +203,40 @@ def winner_tune_source(result: ResearchResult, name: str | None = None, *, say: 
     kind = get_task_kind(result.task)
     cfg = kind.parse_config(result.winner_config, source="the winner's configuration")
     return TuneSource(Path(str(result.winner_adapter_dir)), kind.base_source(cfg), kind.base_name(cfg), None,
-                      name or result.study, dev=dev_set_for(result.task, result.winner_config, say=say))
+                      name or result.study, dev=dev_set_for(result.task, result.winner_config, say=say),
+                      generation=generation_dev_for(result.task, result.winner_config, say=say))
+
+
+def generation_dev_for(task: str, train_config: dict[str, Any] | None, *, digest: str | None = None,
+                       say: Say | None = None, limit: int = GENERATION_DEV_MAX) -> GenerationDev | None:
+    """The generative guard's dev set (issue 39): the first `limit` dev prompts of the config's dataset, their
+    references, the answer budget, and the gate's scorer (mean ROUGE-L of cleaned answers); None for a kind that
+    does not generate, or data that cannot be rebuilt here or changed since training (the guard keeps fp32)."""
+    if not train_config:
+        return None
+    try:
+        kind = get_task_kind(task)
+        if kind.capability != wire.GENERATE:
+            return None
+        cfg = kind.parse_config(train_config, source="the bundle's training configuration")
+        dataset = kind.build_dataset(cfg)
+        from lorafleet.train.generation_eval import clean_answer, rouge_l  # rouge-score: loaded when a guard runs
+    except Exception as exc:  # the guard then keeps fp32, the gated precision
+        _say(say)(f"[tune] the dev set could not be rebuilt ({type(exc).__name__}: {exc}); the precision guard "
+                  "keeps fp32")
+        return None
+    if digest and getattr(dataset, "digest", None) != digest:
+        _say(say)("[tune] the data changed since training; the precision guard keeps fp32")
+        return None
+
+    def score(answers: Any, references: Any) -> float:
+        values = rouge_l([clean_answer(a) for a in answers], list(references))
+        return sum(values) / max(len(values), 1)
+
+    prompts, refs = dataset.prompts("dev")[:limit], dataset.references("dev")[:limit]
+    if not prompts:
+        return None
+    return GenerationDev(tuple(prompts), tuple(refs), int(cfg.max_new_tokens), score)
 
 
 def dev_set_for(task: str, train_config: dict[str, Any] | None, *, digest: str | None = None,
@@ -260,7 +298,7 @@ def resolve_tune_source(ref: str, base: str | None = None) -> TuneSource:
         if (path / BUNDLE_FILE).is_file():
             spec = read_spec(path)
             return TuneSource(path / ADAPTER_DIR, base or spec.base.source, spec.base.name, spec.base.revision,
-                              spec.name, spec.profile, _bundle_dev(spec))
+                              spec.name, spec.profile, _bundle_dev(spec), _bundle_generation(spec))
         if (path / "adapter_config.json").is_file():
             return from_adapter_dir(path, base)
         raise TuneError(f"{path} is neither a peft adapter folder (adapter_config.json) nor a bundle (bundle.yaml)")
@@ -272,7 +310,7 @@ def resolve_tune_source(ref: str, base: str | None = None) -> TuneSource:
     if registered is not None:
         adapter_dir, spec, info = store.fetch_adapter(registered.name, registered.ref)
         return TuneSource(adapter_dir, base or spec.base.source, spec.base.name, spec.base.revision,
-                          f"{info.name}-v{info.version}", spec.profile, _bundle_dev(spec))
+                          f"{info.name}-v{info.version}", spec.profile, _bundle_dev(spec), _bundle_generation(spec))
     raise TuneError(f"{ref!r} is not an adapter folder, a bundle folder, an MLflow run id (32 hex digits), "
                     "or a registered NAME@alias / NAME/version")
 
@@ -290,6 +328,11 @@ def _bundle_dev(spec: Any) -> DevSet | None:
                    "the precision guard compares cosines on probe sentences only")
         return None
     return dev_set_for(spec.task, config, digest=spec.dataset_digest)
+
+
+def _bundle_generation(spec: Any) -> GenerationDev | None:
+    """The generative guard's dev set of a bundle that records its training config (issue 39)."""
+    return generation_dev_for(spec.task, spec.details.get(TRAIN_CONFIG), digest=spec.dataset_digest)
 
 
 def _from_run(run_id: str, base: str | None) -> TuneSource:

@@ -4,9 +4,13 @@ that `precision: auto` serves by.
 A base is served at one precision (`BaseModelSpec.precision`): `fp32`, `bf16`, `fp16` (CUDA) or `int8`
 (dynamic quantisation of the Linear layers, CPU). A runtime declares which of them it can run on a device
 (`Runtime.precisions(device)`); an explicit precision it cannot run is a ConfigError when the fleet is loaded,
-never a silent fallback. `auto` compares each faster candidate with fp32 on fixed probe sentences and serves
-the first whose every vector keeps a cosine of at least `GUARD_MIN_COSINE` to fp32's; the verdict is cached
-per (model, device) under LORAFLEET_HOME so a later start skips the probe.
+never a silent fallback. `auto` serves what was judged (issue 39): each served model's tuned verdict, fp32
+(the precision of every gated number) without one, one precision for the base that all of them passed
+(`served_precision`). A runtime that can probe (sentence-transformers) judges a model without a verdict itself:
+each faster candidate against fp32 with the model's adapter loaded, on statute-length passages and short
+queries (`PROBE_PASSAGES`, `PROBE_SENTENCES`), the first whose every vector keeps a cosine of at least
+`GUARD_MIN_COSINE` to fp32's (`choose_auto`); the verdict is cached per (model, adapter, device) under
+LORAFLEET_HOME so a later start skips the probe.
 """
 
 from __future__ import annotations
@@ -57,6 +61,109 @@ PROBE_SENTENCES: Final[tuple[str, ...]] = (
     "A contract concluded under duress may be contested within one year.",
     "Weather tomorrow: sunny, 24 degrees.",
     "Embeddings map sentences to vectors so that similar meanings lie close together.",
+)
+
+
+# The precision every gated number is computed at (research scores in float32): what a model with no tuned verdict
+# was judged at, so what a base serves it at under `auto` unless a verdict with its adapter says otherwise.
+GATED: Final = FP32
+
+
+@dataclass(frozen=True, slots=True)
+class ServedPrecision:
+    """What a base serves at and why: the fleet file's explicit precision (the operator's override) or, under
+    `auto`, what its served models were judged at."""
+
+    precision: str
+    reason: str
+    override: bool = False  # the fleet file names a precision that differs from some served model's judged one
+
+
+@dataclass(frozen=True, slots=True)
+class JudgedModel:
+    """A model served on a base, as `Runtime.use_judged` sees it: its tuned verdict (None: none recorded) and where
+    its adapter is (a URI or folder, for a runtime that probes a model without a verdict)."""
+
+    judged: str | None
+    adapter: str | None = None
+    adapter_id: str | None = None
+
+
+def judged_precision(tuned: str | None) -> str:
+    """The precision a model was judged at: its tune guard's verdict (a bundle's `precision`), else fp32, the
+    precision of every gated number."""
+    return tuned if tuned in PRECISIONS else GATED
+
+
+def served_precision(declared: str, judged: Iterable[str | None], supported: Iterable[str]) -> ServedPrecision:
+    """The precision a base serves at. One base holds one copy of its weights for every adapter on it, so under
+    `auto` it serves the precision all its models were judged at (`judged`: each served model's tuned verdict,
+    None where it has none and so was judged at fp32 only); fp32 where they differ, where none is known, or where
+    the device cannot run the judged one. An explicit `declared` precision is served as is, and is an override
+    where some model was judged at another."""
+    verdicts = sorted({judged_precision(j) for j in judged})
+    if declared != AUTO:
+        others = [v for v in verdicts if v != declared]
+        reason = f"the fleet file sets precision {declared}" + (
+            f" (an override: judged at {', '.join(others)})" if others else "")
+        return ServedPrecision(declared, reason, bool(others))
+    if not verdicts:
+        return ServedPrecision(GATED, f"auto: no served model judged yet, {GATED} (the gated precision)")
+    if len(verdicts) > 1:
+        return ServedPrecision(GATED, f"auto: its models were judged at {', '.join(verdicts)}; {GATED}, the "
+                               "precision all of them were scored at")
+    (only,) = verdicts
+    if only not in set(supported) | {GATED}:
+        return ServedPrecision(GATED, f"auto: judged at {only}, which this device cannot run; {GATED}")
+    return ServedPrecision(only, f"auto: every served model was judged at {only}")
+
+
+# What `auto` probes a served model without a tuned verdict on (issue 39): statute-length passages, as a legal
+# fleet's corpus chunks are (a few hundred tokens, enumerations, cross-references), then the short probe sentences,
+# which stand for queries. Twelve short sentences alone passed models that longer inputs tell apart.
+PROBE_PASSAGES: Final[tuple[str, ...]] = (
+    "(1) Durch den Kaufvertrag wird der Verkäufer einer Sache verpflichtet, dem Käufer die Sache zu übergeben und "
+    "das Eigentum an der Sache zu verschaffen. Der Verkäufer hat dem Käufer die Sache frei von Sach- und "
+    "Rechtsmängeln zu verschaffen. (2) Der Käufer ist verpflichtet, dem Verkäufer den vereinbarten Kaufpreis zu "
+    "zahlen und die gekaufte Sache abzunehmen. (3) Die Vorschriften über den Kauf von Sachen finden auf den Kauf "
+    "von Rechten und sonstigen Gegenständen entsprechende Anwendung.",
+    "Der Mieter kann das Mietverhältnis aus wichtigem Grund außerordentlich fristlos kündigen. Ein wichtiger Grund "
+    "liegt insbesondere vor, wenn dem Mieter der vertragsgemäße Gebrauch der Mietsache ganz oder zum Teil nicht "
+    "rechtzeitig gewährt oder wieder entzogen wird, etwa weil die Heizung in den Wintermonaten über mehrere Wochen "
+    "ausfällt. Die Kündigung ist erst zulässig, nachdem der Vermieter eine ihm gesetzte angemessene Frist zur "
+    "Abhilfe hat verstreichen lassen; der Fristsetzung bedarf es nicht, wenn sie offensichtlich keinen Erfolg "
+    "verspricht.",
+    "(1) Ist die Leistung unmöglich, so ist der Schuldner von der Pflicht zur Leistung befreit. (2) Der Schuldner "
+    "kann die Leistung verweigern, soweit diese einen Aufwand erfordert, der unter Beachtung des Inhalts des "
+    "Schuldverhältnisses und der Gebote von Treu und Glauben in einem groben Missverhältnis zu dem "
+    "Leistungsinteresse des Gläubigers steht. Bei der Bestimmung der dem Schuldner zuzumutenden Anstrengungen ist "
+    "auch zu berücksichtigen, ob er das Leistungshindernis zu vertreten hat. (3) Die Rechte des Gläubigers "
+    "bestimmen sich nach den §§ 280, 283 bis 285, 311a und 326.",
+    "Wer in einem Arbeitsverhältnis steht, hat bei dessen Beendigung Anspruch auf ein schriftliches Zeugnis. Das "
+    "Zeugnis muss mindestens Angaben zu Art und Dauer der Tätigkeit enthalten. Der Arbeitnehmer kann verlangen, "
+    "dass sich die Angaben darüber hinaus auf Leistung und Verhalten im Arbeitsverhältnis erstrecken. Das Zeugnis "
+    "muss klar und verständlich formuliert sein und darf keine Merkmale oder Formulierungen enthalten, die den "
+    "Zweck haben, eine andere als aus der äußeren Form oder aus dem Wortlaut ersichtliche Aussage über den "
+    "Arbeitnehmer zu treffen.",
+    "(1) Eine Willenserklärung, die einem anderen gegenüber abzugeben ist, wird, wenn sie in dessen Abwesenheit "
+    "abgegeben wird, in dem Zeitpunkt wirksam, in welchem sie ihm zugeht. Sie wird nicht wirksam, wenn dem anderen "
+    "vorher oder gleichzeitig ein Widerruf zugeht. (2) Auf die Wirksamkeit der Willenserklärung ist es ohne "
+    "Einfluss, wenn der Erklärende nach der Abgabe stirbt oder geschäftsunfähig wird.",
+    "Der Vermieter hat die Mietsicherheit getrennt von seinem Vermögen bei einem Kreditinstitut zu dem für "
+    "Spareinlagen mit dreimonatiger Kündigungsfrist üblichen Zinssatz anzulegen. Die Vertragsparteien können eine "
+    "andere Anlageform vereinbaren. In beiden Fällen muss die Anlage vom Vermögen des Vermieters getrennt erfolgen, "
+    "und die Erträge stehen dem Mieter zu; sie erhöhen die Sicherheit. Nach Beendigung des Mietverhältnisses und "
+    "Ablauf einer angemessenen Prüfungsfrist ist die Kaution nebst Zinsen zurückzuzahlen.",
+    "(1) Die Würde des Menschen ist unantastbar. Sie zu achten und zu schützen ist Verpflichtung aller staatlichen "
+    "Gewalt. (2) Das Deutsche Volk bekennt sich darum zu unverletzlichen und unveräußerlichen Menschenrechten als "
+    "Grundlage jeder menschlichen Gemeinschaft, des Friedens und der Gerechtigkeit in der Welt. (3) Die nachfolgenden "
+    "Grundrechte binden Gesetzgebung, vollziehende Gewalt und Rechtsprechung als unmittelbar geltendes Recht.",
+    "Ist für die Leistung eine Zeit nach dem Kalender bestimmt, so kommt der Schuldner ohne Mahnung in Verzug, wenn "
+    "er nicht zur bestimmten Zeit leistet. Der Schuldner einer Entgeltforderung kommt spätestens in Verzug, wenn er "
+    "nicht innerhalb von 30 Tagen nach Fälligkeit und Zugang einer Rechnung oder gleichwertigen Zahlungsaufstellung "
+    "leistet; dies gilt gegenüber einem Schuldner, der Verbraucher ist, nur, wenn auf diese Folgen in der Rechnung "
+    "besonders hingewiesen worden ist. Während des Verzugs ist eine Geldschuld mit fünf Prozentpunkten über dem "
+    "Basiszinssatz zu verzinsen.",
 )
 
 
@@ -209,8 +316,9 @@ def _write_cache(path: Path, key: str, verdict: Verdict) -> None:
 def choose_auto(key: str, tries: list[str], embed_at: Callable[[str], np.ndarray],
                 path: Path | None = None) -> Verdict:
     """The precision `auto` serves: the cached verdict for `key`, else the first of `tries` (fastest first)
-    whose probe vectors (`embed_at(precision)` of PROBE_SENTENCES) keep GUARD_MIN_COSINE to fp32's; fp32 when
-    none does. The verdict is cached in `path` (default LORAFLEET_HOME/precision.json)."""
+    whose probe vectors (`embed_at(precision)`: the served model's vectors of the probe texts) keep
+    GUARD_MIN_COSINE to fp32's; fp32 when none does. The verdict is cached in `path` (default
+    LORAFLEET_HOME/precision.json)."""
     path = path or cache_path()
     hit = _read_cache(path).get(key)
     if isinstance(hit, dict) and hit.get("precision") in (FP32, *tries):

@@ -1,10 +1,11 @@
 """JetStream layout: the work-queue stream, its per-base consumers, and the dead-letter stream.
 
-Who may change what (docs/security.md): `lorafleet up` applies the layout with the admin
-credential (`ensure_streams(..., update=True)`: creates, or reconfigures to the fleet file);
-gateways only create a stream that is missing (`update=False`: self-healing after a stream was
-lost), never reconfigure one; workers cannot create streams at all, they wait for them
-(`wait_for_stream`) and create or re-create their durable consumer (`ensure_consumer`).
+Who may change what (docs/security.md): only the admin credential creates or reconfigures a
+stream: `lorafleet up` applies the layout (`ensure_streams(..., update=True)`), and its layout keeper
+creates a lost one again (`update=False`; lorafleet/layout.py). Gateways and workers wait for the
+streams (`wait_for_stream`); workers create or re-create their durable consumer (`ensure_consumer`).
+On a server without authentication a gateway still creates a missing stream itself: there, any
+client may do anything, so it grants nothing.
 
 The work stream carries exactly the served bases' subjects, each bounded on its own
 (`max_msgs` per base, discard-new per subject), and drops tasks older than the largest deadline
@@ -82,6 +83,15 @@ async def stream_exists(js: JetStreamContext, name: str) -> bool:
     return True
 
 
+async def stream_created(js: JetStreamContext, name: str) -> str | None:
+    """When the stream was created (the server's timestamp), None when it is missing: a new value is a new stream."""
+    try:
+        info = await js.stream_info(name)
+    except NotFoundError:
+        return None
+    return str(info.created)
+
+
 async def _ensure_stream(js: JetStreamContext, config: api.StreamConfig, update: bool) -> bool:
     """Create the stream if missing (True when this call created it); reconfigure it only with `update`.
 
@@ -118,7 +128,7 @@ async def ensure_fleet_streams(js: JetStreamContext, fleet: FleetConfig, *, upda
 
 async def wait_for_stream(js: JetStreamContext, name: str, *, poll_s: float = 0.5,
                           on_wait: Callable[[], None] | None = None) -> None:
-    """Return once the stream exists (workers cannot create it: a gateway or `lorafleet up` does)."""
+    """Return once the stream exists (only admin creates it: `lorafleet up` and its layout keeper)."""
     first = True
     while not await stream_exists(js, name):
         if first and on_wait is not None:

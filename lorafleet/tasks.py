@@ -11,9 +11,11 @@ Life of a kind in a research run (the order calls happen in):
     kind = get_task_kind(name)
     cfg = kind.parse_config(raw)                 # the `train:` section, validated by kind.config_model
     dataset = kind.build_dataset(cfg)            # once per data configuration (cached by dataset_key)
-    baseline = kind.baselines(cfg, dataset)      # base_* and <baseline>_* on dev and test, once per study
+    baseline = kind.baselines(cfg, dataset)      # base_* and <baseline>_* on dev and test, once per baseline_key
     outcome = kind.train(cfg, dataset, out_dir, on_epoch=cb)   # per trial; dev only; cb(epoch, dev) may raise
     test = kind.evaluate(cfg, dataset, outcome.adapter_dir, "test")  # once per study, for the winner
+    judged = kind.baselines(winner_cfg, its_dataset) | kind.rivals(winner_cfg, its_dataset, variants)
+                                                 # what the winner is judged against: its own config's baselines
 
 Everything runs in the caller's process and thread; `on_epoch` may raise (pruning, time limit) and
 the kind must let that exception through. Metric names are flat: `{split}_{metric}` from the kind,
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Protocol
@@ -38,14 +40,28 @@ Direction = Literal["maximize", "minimize"]
 
 # What a run cost, for every kind: `TrainResult.cost` (wall_s, cpu_s, peak_rss_mb, usd) prefixed `cost_`.
 COST_HEADLINE = ("cost_wall_s", "cost_usd")
+# The gate's relative margin: research's default `min_margin`, and promotion's for a version that records none.
+DEFAULT_MARGIN = 0.02
+
+
+@dataclass(frozen=True)
+class Rival:
+    """A further non-learned alternative the headline must beat by the margin, beside `MetricSpec.gate`: its
+    metric prefix, its name in gate reasons and verdicts, and its column in reports."""
+
+    prefix: str
+    label: str
+    column: str
 
 
 @dataclass(frozen=True)
 class MetricSpec:
     """The metrics a kind is judged by.
 
-    `objective` is the dev metric research optimises; `headline` the test metric of a winner that
-    the gate, the registry tags and the reports lead with. `baseline` is the prefix of the kind's
+    `objective` is the dev metric research optimises by default; `objectives` the others research may be told to
+    optimise, each with its direction (only scores of the adapter: a metric the adapter cannot move, or one that
+    measures length, is not an objective); `headline` the test metric of a winner that the gate, the registry tags
+    and the reports lead with. `baseline` is the prefix of the kind's
     non-learned baseline (`bm25`, `lead`) and `baseline_label` its name in tables. `table` lists
     what a version listing shows; `report` the metric names (without split) a report compares.
     Derived from these: `headline_set` (what runs and model versions lead with in MLflow), `summary`
@@ -65,6 +81,29 @@ class MetricSpec:
     gate_label: str = "the base model"
     # Test metrics shown beside the headline in every run's headline set (`test_chrf`, `test_exact_match`).
     beside: tuple[str, ...] = ()
+    # What the headline must also beat by the margin (rerank: the best first stage alone the search space holds).
+    rivals: tuple[Rival, ...] = ()
+    # Dev metrics research may optimise instead of `objective`, and their directions.
+    objectives: tuple[tuple[str, Direction], ...] = ()
+    # What a report says about how the numbers are measured (e.g. that relevance is binary).
+    notes: tuple[str, ...] = ()
+
+    @property
+    def gates(self) -> tuple[tuple[str, str], ...]:
+        """(prefix, label) of everything the headline must beat by the margin: `gate`, then each rival."""
+        return ((self.gate, self.gate_label), *((r.prefix, r.label) for r in self.rivals))
+
+    def objective_directions(self) -> dict[str, Direction]:
+        """The dev metrics research may optimise, with their directions (the default objective first)."""
+        return {self.objective: self.direction, **dict(self.objectives)}
+
+    def direction_of(self, objective: str) -> Direction:
+        """The direction of `objective`; ValueError naming the allowed ones when the kind does not optimise it."""
+        allowed = self.objective_directions()
+        if objective not in allowed:
+            raise ValueError(f"{objective!r} is not an objective of this kind; allowed: "
+                             + ", ".join(f"{k} ({d})" for k, d in allowed.items()))
+        return allowed[objective]
 
     @property
     def headline(self) -> str:
@@ -83,12 +122,8 @@ class MetricSpec:
         for name in (self.headline, self.objective):
             names += [name, self.base(name)] + ([f"{self.baseline}_{name}"] if self.baseline else [])
             names += [f"{self.gate}_{name}"] if self.gate != "base" else []
+            names += [f"{r.prefix}_{name}" for r in self.rivals]
         return (*names, *self.beside, *COST_HEADLINE)
-
-    def reports(self, objective: str) -> bool:
-        """Whether this kind reports the metric `objective` names (any split); an empty `report` allows any."""
-        metric = objective.split("_", 1)[1] if objective.startswith(("dev_", "test_")) else objective
-        return not self.report or metric in self.report
 
     def summary(self, metrics: Mapping[str, float]) -> str | None:
         """The headline in words: `test nDCG@10 0.440 vs base 0.315 (+40 %) and BM25 0.298`; None without it."""
@@ -111,6 +146,8 @@ class MetricSpec:
         `base_test_ndcg@10` → model `base`, split `test`, metric `ndcg@10`; a name with no known prefix
         belongs to `model`; a name with no split prefix (`cost_usd`) has split ''."""
         prefixes = ["base"] + ([self.baseline] if self.baseline else [])
+        # Longest first: `bestfirst_` is not `best_` + `first_…`.
+        prefixes += sorted({p for p, _ in self.gates} - set(prefixes), key=len, reverse=True)
         out = []
         for name, value in metrics.items():
             if not isinstance(value, int | float) or isinstance(value, bool):
@@ -132,14 +169,27 @@ def _number(value: float) -> str:
 
 
 def beats(score: float, reference: float, margin: float, direction: Direction) -> bool:
-    """Whether `score` beats `reference` by the relative `margin` (0.02: by 2 % of the reference)."""
+    """Whether `score` beats `reference` by the relative `margin` (0.02: by 2 % of the reference).
+
+    A tie is no win: `score` must be strictly better than `reference`, and reach the margin (within rounding:
+    0.40 × 1.05 is 0.42000000000000004 in floating point, and 0.42 is enough)."""
     need = abs(reference) * margin
-    tol = 1e-9 * max(abs(reference), 1.0)  # 0.40 × 1.05 is 0.42000000000000004 in floating point
-    return score >= reference + need - tol if direction == "maximize" else score <= reference - need + tol
+    tol = 1e-9 * max(abs(reference), 1.0)
+    if direction == "maximize":
+        return score > reference and score >= reference + need - tol
+    return score < reference and score <= reference - need + tol
 
 
-@dataclass
+def not_behind(score: float, reference: float, direction: Direction) -> bool:
+    """Whether `score` is at least as good as `reference` (the champion test: a version may tie its champion)."""
+    tol = 1e-9 * max(abs(reference), 1.0)
+    return score >= reference - tol if direction == "maximize" else score <= reference + tol
+
+
+@dataclass(frozen=True)
 class GateResult:
+    """A gate's verdict (what promotion acts on): frozen, like every state that decides a promotion."""
+
     ok: bool
     reasons: list[str]
     score: float | None
@@ -148,6 +198,8 @@ class GateResult:
     margin: float
     metric: str
     against: str = "base"  # the prefix base_score was read under: `base`, or `best` (the best baseline)
+    rivals: dict[str, float] = field(default_factory=dict)  # MetricSpec.rivals' scores, by prefix
+    margin_source: str = ""  # where `margin` came from (promotion: --margin, the bundle, the default)
 
 
 def judge(metrics: MetricSpec, candidate: Mapping[str, float], champion: Mapping[str, float] | None,
@@ -155,29 +207,43 @@ def judge(metrics: MetricSpec, candidate: Mapping[str, float], champion: Mapping
           ) -> GateResult:
     """The one quality gate, used by research's verdict and by promotion.
 
-    The candidate's headline metric must beat the base model's by the relative `margin` and must not
-    fall behind the current champion's. Pure: metric dicts in, a verdict with reasons out.
+    The candidate's headline metric must beat, by the relative `margin` and strictly (a tie is no win), what
+    `metrics.gates` names (the base model, or the kind's best baseline, and each rival), and must not fall
+    behind the current champion's. Pure: metric dicts in, a verdict with reasons out.
     """
-    name, base_name = metrics.headline, f"{metrics.gate}_{metrics.headline}"
-    score, base = candidate.get(name), candidate.get(base_name)
+    name = metrics.headline
+    score = candidate.get(name)
     champ = champion.get(name) if champion is not None else None
-    worse = "below" if metrics.direction == "maximize" else "above"
+    references = {prefix: candidate.get(f"{prefix}_{name}") for prefix, _ in metrics.gates}
     reasons: list[str] = []
     if score is None:
         reasons.append(f"{candidate_label} has no {name} recorded, so it cannot be judged")
     else:
-        if base is None:
-            reasons.append(f"{candidate_label} has no {base_name} recorded ({metrics.gate_label}'s score)")
-        elif not beats(score, base, margin, metrics.direction):
-            need = base + abs(base) * margin * (1 if metrics.direction == "maximize" else -1)
-            reasons.append(f"{name} {score:.4f} is {abs(need - score):.4f} {worse} what it needs: "
-                           f"{metrics.gate_label}'s {base:.4f} and a relative margin of {margin:.1%} ({need:.4f})")
+        for prefix, label in metrics.gates:
+            ref = references[prefix]
+            if ref is None:
+                reasons.append(f"{candidate_label} has no {prefix}_{name} recorded ({label}'s score)")
+            elif not beats(score, ref, margin, metrics.direction):
+                reasons.append(shortfall(name, score, ref, margin, metrics.direction, label))
         if champion is not None:
+            worse = "below" if metrics.direction == "maximize" else "above"
             if champ is None:
                 reasons.append(f"{champion_label} has no {name} recorded to compare with")
-            elif not beats(score, champ, 0.0, metrics.direction):
+            elif not not_behind(score, champ, metrics.direction):
                 reasons.append(f"{name} {score:.4f} is {abs(champ - score):.4f} {worse} {champion_label}'s {champ:.4f}")
-    return GateResult(not reasons, reasons, score, champ, base, margin, name, metrics.gate)
+    rivals = {p: v for p, v in references.items() if p != metrics.gate and v is not None}
+    return GateResult(not reasons, reasons, score, champ, references[metrics.gate], margin, name, metrics.gate,
+                      rivals)
+
+
+def shortfall(name: str, score: float, ref: float, margin: float, direction: Direction, label: str) -> str:
+    """Why `score` does not beat `ref` by `margin`, in words (a tie says so: it is no win)."""
+    if score == ref:
+        return f"{name} {score:.4f} ties {label}'s {ref:.4f}: a tie is no win (relative margin {margin:.1%})"
+    worse = "below" if direction == "maximize" else "above"
+    need = ref + abs(ref) * margin * (1 if direction == "maximize" else -1)
+    return (f"{name} {score:.4f} is {abs(need - score):.4f} {worse} what it needs: "
+            f"{label}'s {ref:.4f} and a relative margin of {margin:.1%} ({need:.4f})")
 
 
 class TaskDataset(Protocol):
@@ -220,6 +286,18 @@ class TaskKind(ABC):
         data = getattr(cfg, "data", None)
         return json.dumps([data.model_dump(mode="json") if data is not None else None,
                            getattr(cfg, "base_model", None)], sort_keys=True, default=str)
+
+    def baseline_key(self, cfg: Any) -> str:
+        """Configs with the same key have the same `baselines`: research computes them once per key and judges a
+        winner against those of its own key (its data, base model, and whatever else they depend on). By
+        default the dataset's key; a kind whose baselines depend on more (rerank: the first stage) adds it."""
+        return self.dataset_key(cfg)
+
+    def rivals(self, cfg: Any, dataset: Any, variants: Sequence[Any]) -> dict[str, float]:
+        """The `metrics.rivals` scores for `cfg` on `dataset`, on dev and test (`<prefix>_{split}_{metric}`), given
+        `variants`: `cfg` under the other choices its research space holds (empty outside research). None by
+        default."""
+        return {}
 
     def base_source(self, cfg: Any) -> str:
         return str(cfg.base_model)

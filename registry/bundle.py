@@ -36,6 +36,7 @@ BUNDLE_FORMAT = 1
 # A bundle name becomes a served name and a NATS KV key (lorafleet.refs).
 KEY_NAME_RE = NAME_RE
 DEFAULT_TASK = "retrieval"  # bundles from before task kinds were recorded
+MARGIN_TAG = "lorafleet.gate_margin"  # model-version tag: the bundle's `margin`, what promotion gates at
 
 
 class BundleError(ValueError):
@@ -68,7 +69,12 @@ class BundleSpec(StrictModel):
     max_seq_length: int | None = None
     profile: ServingProfile = Field(default_factory=ServingProfile)
     profile_source: str = Field("default", description="'tuned' when `lorafleet tune` measured it.")
+    precision: str | None = Field(None, description="The precision tune's quality guard judged this adapter at "
+                                  "(its dev metric within the guard of fp32's, the adapter loaded): what a base under "
+                                  "`precision: auto` serves it at. None: no tuned verdict; its gated numbers are fp32.")
     metrics: dict[str, float] = Field(default_factory=dict)
+    margin: float | None = Field(None, ge=0, description="The relative margin research judged the adapter by "
+                                 "(research.min_margin); promotion gates at it unless told another.")
     dataset_digest: str | None = None
     created: float = Field(default_factory=time.time)
     details: dict[str, Any] = Field(default_factory=dict, description="What the task kind records beside the "
@@ -138,7 +144,8 @@ def build_bundle(out_dir: Path, *, name: str, adapter_dir: Path, base_source: st
                  profile_source: str = "default", metrics: dict[str, float] | None = None,
                  dataset_digest: str | None = None, report_paths: list[Path] | None = None,
                  max_seq_length: int | None = None, task: str = DEFAULT_TASK, kind: str = "sentence-transformers",
-                 runtime: str = "sentence-transformers", details: dict[str, Any] | None = None) -> BundleSpec:
+                 runtime: str = "sentence-transformers", details: dict[str, Any] | None = None,
+                 margin: float | None = None) -> BundleSpec:
     """Write a complete bundle folder at `out_dir` (must not exist or be empty) and return its spec."""
     adapter_dir = Path(adapter_dir)
     check_adapter_dir(adapter_dir)
@@ -170,12 +177,22 @@ def build_bundle(out_dir: Path, *, name: str, adapter_dir: Path, base_source: st
         max_seq_length=max_seq_length or described.get("max_seq_length"),
         profile=profile or ServingProfile(),
         profile_source=profile_source,
+        precision=judged_at(profile, profile_source),
         metrics={k: float(v) for k, v in (metrics or {}).items() if _is_number(v)},
+        margin=margin,
         dataset_digest=dataset_digest,
     )
     spec.files = _listed_files(out_dir)
     write_spec(out_dir, spec)
     return spec
+
+
+def judged_at(profile: ServingProfile | None, profile_source: str) -> str | None:
+    """The precision a tuned profile was judged at (tune records only precisions its quality guard qualified);
+    None for an untuned profile, whose precision, if any, no guard measured."""
+    if profile_source != "tuned" or profile is None or profile.precision in (None, "auto"):
+        return None
+    return profile.precision
 
 
 def _is_number(v: Any) -> bool:

@@ -7,15 +7,19 @@ every gateway and after a restart) to the candidate, the rest to the champion; b
 `--finish` makes the candidate champion through promote's own path (gate, preload, retention of the old champion:
 the canary goes with the entry it rewrites); `--abort` removes the canary, the champion unchanged. While a canary
 runs, a plain promote or rollback of the name is refused (fleet_state.refuse_during_canary).
+
+Start and abort share their path with shadow.py (registry/transition.py). `--abort` after a `--finish` that
+died half-way (the alias already names the canary) puts the alias back on the champion before it ends the canary:
+the aborted version never becomes champion by a later repair (issue 38).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,32 +29,27 @@ from lorafleet.fleet_state import (
     Retention,
     canary_in_progress,
     canary_spec,
-    delete_staged,
     open_fleet_bucket,
     read_entries,
-    read_entry,
-    write_entry,
 )
 from lorafleet.nats_client import ClientSettings
 from lorafleet.registry import store
-from lorafleet.registry.lock import LockBusy, promote_lock
+from lorafleet.registry.lock import LockBusy
 from lorafleet.registry.promote import (
     Agreement,
     Outcome,
     Preload,
     PromotionError,
-    _bases,
     _connect,
-    _entry,
     _gate_or_refuse,
-    _preload,
-    _snapshot,
     _switch,
     _with_retention,
     default_margin,
     find_fleet,
 )
 from lorafleet.registry.store import CANDIDATE, CHAMPION, VersionInfo
+from lorafleet.registry.transition import Change, Split, connected, finished_by_repair, locked, rewrite, start_split
+from lorafleet.registry.writes import run_transition
 from lorafleet.tasks import GateResult
 
 
@@ -137,49 +136,19 @@ def start(name: str, version: str | int | None, percent: float, *, force: bool =
     info = store.get_version(name, version)
     _gate_or_refuse(info, store.alias_version(name, CHAMPION), margin, force)
     target = find_fleet(nats_url, fleet_file, creds)
-    preload = preload or Preload()
 
-    async def run() -> CanaryOutcome:
-        nc = await _connect(target.nats_url, target.client)
-        try:
-            kv = await open_fleet_bucket(nc.jetstream())  # type: ignore[attr-defined]
-            bases = await _bases(nc, target)
-            try:
-                async with promote_lock(kv, name, "canary") as lock:
-                    state = await _snapshot(kv, name)
-                    if not state.agrees:
-                        raise CanaryError(f"{name}: the registry and the fleet disagree ({state.describe()}); "
-                                          f"run `lorafleet registry check {name} --repair` first")
-                    CanaryState.of(name, state.entry).start(info.version, percent)
-                    if state.entry is not None and state.entry.shadow is not None:  # one experiment at a time
-                        raise CanaryError(str(canary_in_progress(state.entry)))
-                    gate = await asyncio.to_thread(_gate_or_refuse, info, state.champion, margin, force)
-                    _, spec = await asyncio.to_thread(store.bundle_spec, info.name, info.version)
-                    if spec.base.name not in bases:
-                        raise CanaryError(f"{name} v{info.version} runs on base {spec.base.name!r}, which this fleet "
-                                          f"does not serve (it serves: {', '.join(bases)})")
-                    candidate = _entry(info, spec.base.name, spec.profile, "promote", spec)
-                    preloaded = await _preload(nc, kv, candidate, target, preload) if preload.enabled else None
-                    try:
-                        lock.ensure()
-                        fresh = await _snapshot(kv, name)
-                        if fresh.key() != state.key() or fresh.entry is None:
-                            raise CanaryError(f"{name} changed while the preload ran (was: {state.describe()}; now: "
-                                              f"{fresh.describe()}); nothing changed. Run it again")
-                        entry = fresh.entry.model_copy(update={"canary": canary_spec(candidate, percent)})
-                        await write_entry(kv, entry, last=fresh.revision)
-                    finally:
-                        if preloaded is not None:
-                            with contextlib.suppress(Exception):
-                                await delete_staged(kv, name)
-            except LockBusy as exc:
-                raise CanaryError(str(exc)) from exc
-            return CanaryOutcome(name, entry.version, info.version, percent, entry, gate, target.nats_url)
-        finally:
-            with contextlib.suppress(Exception):
-                await nc.close()  # type: ignore[attr-defined]
+    def allowed(state: Agreement) -> None:
+        CanaryState.of(name, state.entry).start(info.version, percent)
+        if state.entry is not None and state.entry.shadow is not None:  # one experiment at a time
+            raise CanaryError(str(canary_in_progress(state.entry)))
 
-    return asyncio.run(run())
+    def place(live: FleetEntry, candidate: FleetEntry) -> FleetEntry:
+        return live.model_copy(update={"canary": canary_spec(candidate, percent)})
+
+    entry, gate = run_transition(start_split(
+        target, name, info, Split("canary", CanaryError, allowed, place),
+        lambda champion: _gate_or_refuse(info, champion, margin, force), preload or Preload()))
+    return CanaryOutcome(name, entry.version, info.version, percent, entry, gate, target.nats_url)
 
 
 def finish(name: str, *, force: bool = False, margin: float | None = None, nats_url: str | None = None,
@@ -187,11 +156,15 @@ def finish(name: str, *, force: bool = False, margin: float | None = None, nats_
            retention: Retention | None = None, retention_changes: dict[str, float | int | None] | None = None,
            expect: str | None = None) -> Outcome:
     """The canary becomes champion through promote's path (gate against the champion as it is then, preload,
-    compare-and-set, the old champion retained as NAME@N); the entry it writes has no canary."""
+    compare-and-set, the old champion retained as NAME@N); the entry it writes has no canary. A finish that died
+    after moving the alias is completed by the repair this one starts with: then it is done as it stands."""
     margin = default_margin() if margin is None else margin
     target = _with_retention(find_fleet(nats_url, fleet_file, creds), retention, retention_changes)
 
     def decide(state: Agreement) -> tuple[VersionInfo, tuple[str, ...], GateResult | None]:
+        if state.champion is not None and (expect is None or expect == state.champion) and \
+                finished_by_repair(state, state.champion):
+            return store.get_version(name, state.champion), _history(state, state.champion), None
         before = CanaryState.of(name, state.entry)
         _expect(before, expect)
         after = before.finish()
@@ -199,7 +172,7 @@ def finish(name: str, *, force: bool = False, margin: float | None = None, nats_
         info = store.get_version(name, after.champion)
         return info, _history(state, info.version), _gate_or_refuse(info, state.champion, margin, force)
 
-    done = asyncio.run(_switch(target, name, "promote", decide, preload or Preload()))
+    done = run_transition(_switch(target, name, "promote", decide, preload or Preload()))
     return Outcome(name, done.entry.version, done.previous, "promote", done.entry, done.gate, target.nats_url,
                    done.preload, done.repaired, done.precision)
 
@@ -211,36 +184,45 @@ def _expect(state: CanaryState, version: str | None) -> None:
                           "nothing changed")
 
 
+def _aborted(name: str, expect: str | None) -> Callable[[FleetEntry | None], Change]:
+    """The entry without its canary, the canary's version retired (unless it is a retained former champion)."""
+    def change(entry: FleetEntry | None) -> Change:
+        _expect(CanaryState.of(name, entry), expect)
+        CanaryState.of(name, entry).abort()
+        assert entry is not None and entry.canary is not None
+        gone = entry.canary.version
+        kept = {r.version for r in entry.retained}
+        retired = entry.retired if gone in kept else [gone, *(v for v in entry.retired if v != gone)]
+        return Change(entry.model_copy(update={"canary": None, "retired": retired}), ends=gone)
+    return change
+
+
+async def abort_on(kv: Any, name: str, *, expect: str | None = None) -> tuple[FleetEntry, str]:
+    """`abort` on an open bucket (the watch's own connection); LockBusy when another holds the name. The entry
+    written and the version taken out. When the alias names the canary (a `--finish` that died after moving
+    it), the alias and history go back to the champion first (transition.rewrite)."""
+    async with locked(kv, name, "canary abort", None) as lock:
+        done = await rewrite(kv, lock, name, _aborted(name, expect))
+    assert done is not None and done.ends is not None
+    return done.entry, done.ends
+
+
 def abort(name: str, *, nats_url: str | None = None, fleet_file: Path | None = None, creds: Path | None = None,
           expect: str | None = None) -> CanaryOutcome:
     """Remove the canary: every request of the plain name goes to the champion again; the canary's version is no
-    longer served (NAME@N for it answers 410 unless it is a retained former champion)."""
+    longer served (NAME@N for it answers 410 unless it is a retained former champion), and never becomes
+    champion by a later repair."""
     target = find_fleet(nats_url, fleet_file, creds)
 
-    async def run() -> CanaryOutcome:
-        nc = await _connect(target.nats_url, target.client)
-        try:
-            kv = await open_fleet_bucket(nc.jetstream())  # type: ignore[attr-defined]
+    async def run() -> tuple[FleetEntry, str]:
+        async with connected(target) as (_, kv):
             try:
-                async with promote_lock(kv, name, "canary abort") as lock:
-                    entry, revision = await read_entry(kv, name)
-                    _expect(CanaryState.of(name, entry), expect)
-                    CanaryState.of(name, entry).abort()
-                    assert entry is not None and entry.canary is not None
-                    gone = entry.canary.version
-                    kept = {r.version for r in entry.retained}
-                    retired = entry.retired if gone in kept else [gone, *(v for v in entry.retired if v != gone)]
-                    new = entry.model_copy(update={"canary": None, "retired": retired})
-                    lock.ensure()
-                    await write_entry(kv, new, last=revision)
+                return await abort_on(kv, name, expect=expect)
             except LockBusy as exc:
                 raise CanaryError(str(exc)) from exc
-            return CanaryOutcome(name, new.version, None, 0.0, new, None, target.nats_url, aborted=gone)
-        finally:
-            with contextlib.suppress(Exception):
-                await nc.close()  # type: ignore[attr-defined]
 
-    return asyncio.run(run())
+    new, gone = run_transition(run())
+    return CanaryOutcome(name, new.version, None, 0.0, new, None, target.nats_url, aborted=gone)
 
 
 def describe(entry: FleetEntry) -> dict[str, Any]:
@@ -275,5 +257,5 @@ async def read_canaries(nats_url: str, client: ClientSettings | None = None) -> 
             await nc.close()  # type: ignore[attr-defined]
 
 
-__all__ = ["CanaryError", "CanaryOutcome", "CanaryState", "abort", "canary_in_progress", "check_percent", "finish",
-           "read_canaries", "start", "watch_line"]
+__all__ = ["CanaryError", "CanaryOutcome", "CanaryState", "abort", "abort_on", "canary_in_progress", "check_percent",
+           "finish", "read_canaries", "start", "watch_line"]

@@ -6,6 +6,12 @@ holds it and until when; the holder renews it (compare-and-set on its own revisi
 promotion that was killed (no `finally` ran) blocks the name for at most `ttl_s`, after which the next one
 takes it over, again by compare-and-set so that two takers cannot both win. Clocks of different hosts only
 need to agree to within the TTL.
+
+A holder checks that it still holds the lock (`HeldLock.verify`: the key still carries its owner id and has not
+expired) after every slow step and before every write (registry/writes.py): a holder that stalled past the TTL
+(a suspended process, a slow store) finds out before it writes over what the next holder did. Someone who must
+act soon on a name whose lock is held (the canary watch's abort) waits for the release on the key's KV watch
+(`wait_released`), not by sleeping.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from lorafleet.fleet_state import LOCK_PREFIX
@@ -81,11 +87,37 @@ class HeldLock:
     record: LockRecord
     revision: int
     lost: BaseException | None = None
+    kv: Any = field(default=None, repr=False)  # the bucket it lives in, for `verify`
 
     def ensure(self) -> None:
-        """Raise LockLost when the lock was not kept: nothing may be changed without it."""
+        """Raise LockLost when the lock was not kept (a renewal failed, or its time ran out before one came):
+        nothing may be changed without it."""
         if self.lost is not None:
-            raise LockLost(f"the promote lock of {self.name} was lost ({self.lost}); nothing was changed")
+            raise LockLost(f"the promote lock of {self.name} was lost ({self.lost}); nothing more was changed")
+        if time.time() >= self.record.expires:
+            raise LockLost(f"the promote lock of {self.name} expired before it was renewed (this process stalled "
+                           "for longer than its time to live); nothing more was changed")
+
+    async def verify(self) -> None:
+        """`ensure`, then read the key: LockLost unless it still names this holder (taken over, deleted). By owner
+        id, not revision: a renewal in flight changes the revision, never the owner."""
+        self.ensure()
+        if self.kv is None:
+            return
+        from nats.js.errors import KeyDeletedError, KeyNotFoundError
+
+        try:
+            current = await self.kv.get(lock_key(self.name))
+        except (KeyNotFoundError, KeyDeletedError) as exc:
+            self.lost = exc
+            raise LockLost(f"the promote lock of {self.name} is gone (deleted by hand or expired and released by "
+                           "another); nothing more was changed") from exc
+        held = LockRecord.from_bytes(current.value)
+        if held is None or held.owner != self.record.owner:
+            self.lost = LockLost("taken over")
+            who = held.describe() if held is not None else "an unreadable record"
+            raise LockLost(f"the promote lock of {self.name} was taken over ({who}) while this one stalled; "
+                           "nothing more was changed")
 
 
 async def _acquire(kv: Any, name: str, record: LockRecord) -> int:
@@ -126,13 +158,16 @@ async def _renew(kv: Any, held: HeldLock, ttl_s: float, renew_s: float) -> None:
 
 
 @contextlib.asynccontextmanager
-async def promote_lock(kv: Any, name: str, action: str, *, ttl_s: float = LOCK_TTL_S, renew_s: float = RENEW_S
+async def promote_lock(kv: Any, name: str, action: str, *, ttl_s: float | None = None, renew_s: float | None = None
                        ) -> AsyncIterator[HeldLock]:
-    """Hold the promote lock of `name` for the block; LockBusy when another live promotion holds it."""
+    """Hold the promote lock of `name` for the block; LockBusy when another live promotion holds it. `ttl_s` and
+    `renew_s` default to LOCK_TTL_S and RENEW_S as they are at the call."""
+    ttl_s = LOCK_TTL_S if ttl_s is None else ttl_s
+    renew_s = RENEW_S if renew_s is None else renew_s
     now = time.time()
     record = LockRecord(owner=uuid.uuid4().hex, action=action, host=socket.gethostname(), pid=os.getpid(),
                         since=now, expires=now + ttl_s)
-    held = HeldLock(name, record, await _acquire(kv, name, record))
+    held = HeldLock(name, record, await _acquire(kv, name, record), kv=kv)
     renewer = asyncio.create_task(_renew(kv, held, ttl_s, renew_s), name=f"lorafleet-promote-lock-{name}")
     try:
         yield held
@@ -142,3 +177,42 @@ async def promote_lock(kv: Any, name: str, action: str, *, ttl_s: float = LOCK_T
             await renewer
         with contextlib.suppress(Exception):  # only our own revision: never a lock someone took over
             await kv.delete(lock_key(name), last=held.revision)
+
+
+async def wait_released(kv: Any, name: str, timeout_s: float) -> bool:
+    """Wait, on a KV watch of the lock key, until `name`'s lock can be taken: deleted, unreadable, or past its
+    expiry (a holder that died). True when it can, False when `timeout_s` passed first."""
+    from nats.errors import TimeoutError as NatsTimeout
+    from nats.js.kv import KV_DEL, KV_PURGE
+
+    deadline = time.monotonic() + timeout_s
+    watcher = await kv.watch(lock_key(name))
+    seen = False  # the watch replays the key's current value first, then None
+    expires: float | None = None
+    try:
+        while True:
+            if expires is not None and expires <= time.time():
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if expires is not None:
+                left = min(left, max(0.01, expires - time.time()))
+            try:
+                update = await watcher.updates(timeout=left)
+            except NatsTimeout:
+                continue
+            if update is None:
+                if not seen:
+                    return True  # no lock key at all
+                continue
+            seen = True
+            if update.operation in (KV_DEL, KV_PURGE):
+                return True
+            held = LockRecord.from_bytes(update.value or b"")
+            if held is None:
+                return True
+            expires = held.expires
+    finally:
+        with contextlib.suppress(Exception):
+            await watcher.stop()

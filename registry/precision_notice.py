@@ -6,6 +6,10 @@ serve it (an explicit match, or `auto` resolving to it), promote says "serving a
 another (the base is fp32, or `auto` fell back to fp32 on a worker without bf16), promote prints a notice naming the
 workers — never an error: the adapter serves correctly at the base's precision, only not as tuned. Workers say what
 they serve in their heartbeats (`pr`, base → precision); older workers say nothing and are named as unknown.
+
+Issue 39: the entry carries the precision the bundle was judged at (`judged_profile`), and a base under `auto`
+serves its models at what they were judged at (lorafleet.precision.served_precision). An explicit precision in the
+fleet file that differs is the operator's override: promote says so first.
 """
 
 from __future__ import annotations
@@ -18,8 +22,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from lorafleet import heartbeats
-from lorafleet.precision import AUTO, FP32
+from lorafleet.config import ServingProfile
+from lorafleet.fleet_state import FleetEntry
+from lorafleet.precision import AUTO, FP32, GATED, PRECISIONS
+from lorafleet.registry.bundle import BundleSpec, judged_at
 from lorafleet.wire import Heartbeat
+
+# Bundle kinds served by a runtime without a probe of its own (generation engines): with no tuned verdict they were
+# judged at fp32 only, and a base under `auto` serves them at fp32 (lorafleet.precision.served_precision).
+_PROBED_KINDS = frozenset({"sentence-transformers"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,24 +48,50 @@ def _workers(names: list[str]) -> str:
     return ("worker " if len(names) == 1 else "workers ") + ", ".join(sorted(names))
 
 
-def precision_notice(base: str, tuned: str | None, served: Mapping[str, str | None]) -> PrecisionNotice | None:
-    """The notice for a bundle tuned at `tuned` promoted onto base `base`, whose workers serve it as `served`
-    (worker → precision, None where a worker does not report one). None when the bundle records no precision
-    (not tuned, or tuned before precision was an axis): there is nothing to compare."""
+def judged_profile(profile: ServingProfile | None, spec: BundleSpec | None) -> ServingProfile | None:
+    """The profile a fleet entry carries, its precision the one the bundle was judged at (issue 39: a base under
+    `auto` serves it at that precision); None where the bundle has no tuned verdict."""
+    if profile is None or spec is None:
+        return profile
+    judged = spec.precision or judged_at(spec.profile, spec.profile_source)
+    return profile if profile.precision == judged else profile.model_copy(update={"precision": judged})
+
+
+def judged_of(entry: FleetEntry) -> str | None:
+    """What a promoted entry was judged at: its tuned verdict; else fp32 for a kind served without a probe (every
+    gated number is fp32); None for an embedding bundle without one (a base under `auto` probes it)."""
+    tuned = entry.profile.precision if entry.profile is not None else None
+    if tuned in PRECISIONS:
+        return tuned
+    return GATED if entry.kind is not None and entry.kind not in _PROBED_KINDS else None
+
+
+def precision_notice(base: str, tuned: str | None, served: Mapping[str, str | None],
+                     declared: str | None = None) -> PrecisionNotice | None:
+    """The notice for a bundle judged at `tuned` promoted onto base `base`, whose workers serve it as `served`
+    (worker → precision, None where a worker does not report one), the fleet file setting `declared` on the base
+    (None: not known). None when the bundle records no precision (not tuned, or tuned before precision was an
+    axis): there is nothing to compare. A `declared` precision other than `tuned` is the operator's override and
+    is said first."""
     if not tuned or tuned == AUTO:
         return None
+    override: tuple[str, ...] = ()
+    if declared and declared not in (AUTO, tuned):
+        override = (f"judged at {tuned}; the fleet file overrides it with `precision: {declared}` on base {base}: "
+                    f"served at {declared}, a precision no quality check measured for this model (set `precision: "
+                    f"auto` there to serve what was judged)",)
     pairs = tuple(sorted(served.items()))
     if not pairs:
-        return PrecisionNotice(base, tuned, pairs, False, (
+        return PrecisionNotice(base, tuned, pairs, False, (*override,
             f"tuned at {tuned}; no worker of base {base} was heard, so the precision it serves at is unknown "
             "(`lorafleet status` shows it once workers run)",))
     by: dict[str | None, list[str]] = {}
     for worker, precision in pairs:
         by.setdefault(precision, []).append(worker)
-    if set(by) == {tuned}:
+    if set(by) == {tuned} and not override:
         return PrecisionNotice(base, tuned, pairs, True, (f"serving at {tuned} as tuned (base {base}, "
                                                          f"{_workers(by[tuned])})",))
-    lines: list[str] = []
+    lines: list[str] = list(override)
     for precision, workers in sorted(by.items(), key=lambda kv: (kv[0] is None, kv[0] or "")):
         if precision == tuned:
             lines.append(f"serving at {tuned} as tuned on {_workers(workers)}")
@@ -94,7 +131,8 @@ class HeartbeatListener:
         self.sub = await heartbeats.subscribe(nc, on_hb)
         return self
 
-    async def notice(self, base: str, tuned: str | None, heartbeat_s: float) -> PrecisionNotice | None:
+    async def notice(self, base: str, tuned: str | None, heartbeat_s: float, declared: str | None = None
+                     ) -> PrecisionNotice | None:
         """The notice for `base`, once a little over one heartbeat period has passed since the start (every live
         worker beats once per period, so all of them are heard); no wait when the bundle records no precision."""
         if not tuned or tuned == AUTO:
@@ -102,7 +140,7 @@ class HeartbeatListener:
         left = self.started + 1.2 * heartbeat_s - time.monotonic()
         if left > 0:
             await asyncio.sleep(left)  # a listening window, not a wait for a state: heartbeats arrive meanwhile
-        return precision_notice(base, tuned, served_by(self.seen, base))
+        return precision_notice(base, tuned, served_by(self.seen, base), declared)
 
     async def close(self) -> None:
         if self.sub is not None:

@@ -1,8 +1,10 @@
 """Promotion and rollback: quality gate → alias `champion` → desired fleet state on NATS, live.
 
 The gate is the task kind's (`lorafleet.tasks.judge`, the same one research's verdict uses): the
-version's headline metric (test nDCG@10 for retrieval) must beat the base model's by a relative
-margin and must not fall behind the current champion's.
+version's headline metric (test nDCG@10 for retrieval) must beat, strictly, what its kind compares with
+(the base model's, or the kind's best baseline and rivals) by a relative margin, and must not fall
+behind the current champion's. The margin is the one research judged the version by (recorded in its
+bundle), unless `--margin` or LORAFLEET_PROMOTE_MARGIN gives another.
 
 Order matters for "nothing changed on error": everything that can fail for a reason the user must
 fix (unknown version, failing gate, base not served, NATS or the KV bucket unreachable) is checked
@@ -22,7 +24,14 @@ once more (anything changed meanwhile: nothing changes) and writes the entry by 
 revision. The registry alias is the record of intent; the fleet entry and the history follow it. A process
 that died between moving the alias and writing the entry leaves them disagreeing: every promote, rollback
 and `check(repair=True)` (`lorafleet registry check NAME --repair`) finds that and republishes the alias's
-version first.
+version first, unless the fleet entry lists that version as retired (an aborted canary, a version taken out):
+then the alias goes back to what the fleet serves, so a repair never brings a version back that was taken out.
+
+Interruption (issue 38): every write goes through registry/writes.py, which checks the lock before it (a holder
+that stalled past the lock's TTL writes nothing more), and resolves a failed fleet write by reading it back. An
+interruption (Ctrl-C, SIGTERM, a cancellation) after the alias moved undoes the alias and history unless the
+fleet write is read back as stored; the undo is compare-then-set (only what this switch wrote, and only while it
+still holds the lock), so it never writes over a newer change.
 """
 
 from __future__ import annotations
@@ -52,21 +61,20 @@ from lorafleet.fleet_state import (
     read_entry,
     refuse_during_canary,
     with_retention,
-    write_entry,
 )
 from lorafleet.nats_auth import CREDS_SUFFIX, explain_connect_error
-from lorafleet.nats_client import ClientSettings, server_urls
+from lorafleet.nats_client import RECONNECT_OPTIONS, ClientSettings, server_urls
 from lorafleet.nats_server import port_open
 from lorafleet.refs import version_uri
 from lorafleet.registry import store
-from lorafleet.registry.bundle import BundleSpec
-from lorafleet.registry.lock import HeldLock, LockBusy, promote_lock
-from lorafleet.registry.precision_notice import HeartbeatListener, PrecisionNotice
+from lorafleet.registry.bundle import MARGIN_TAG, BundleSpec
+from lorafleet.registry.lock import HeldLock, LockBusy, LockLost, promote_lock
+from lorafleet.registry.precision_notice import HeartbeatListener, PrecisionNotice, judged_of, judged_profile
 from lorafleet.registry.preload import DEFAULT_PRELOAD_TIMEOUT_S, PreloadResult, wait_preloaded
 from lorafleet.registry.store import CANDIDATE, CHAMPION, VersionInfo
-from lorafleet.tasks import GateResult, get_task_kind
+from lorafleet.registry.writes import in_thread, reached, run_transition, write_alias, write_fleet, write_history
+from lorafleet.tasks import DEFAULT_MARGIN, GateResult, get_task_kind
 
-DEFAULT_MARGIN = 0.0
 MARGIN_ENV = "LORAFLEET_PROMOTE_MARGIN"
 
 log = logging.getLogger(__name__)
@@ -76,24 +84,49 @@ class PromotionError(RuntimeError):
     """Promotion or rollback refused; nothing was changed. The message says why and what to do."""
 
 
-def default_margin() -> float:
-    """The gate's relative margin over the base model (0.02 = 2 %), from LORAFLEET_PROMOTE_MARGIN."""
+def default_margin() -> float | None:
+    """The operator's margin from LORAFLEET_PROMOTE_MARGIN (0.02 = 2 %); None when it is not set, and the gate then
+    uses the margin the version records (`gate_margin`)."""
     raw = os.environ.get(MARGIN_ENV)
     if raw is None:
-        return DEFAULT_MARGIN
+        return None
     try:
-        return float(raw)
+        value = float(raw)
     except ValueError as exc:
         raise PromotionError(f"{MARGIN_ENV}={raw!r} is not a number") from exc
+    if not value >= 0:
+        raise PromotionError(f"{MARGIN_ENV}={raw!r} must be a relative margin ≥ 0 (0.02 = 2 %)")
+    return value
 
 
-def check_gate(candidate: VersionInfo, champion: VersionInfo | None, margin: float) -> GateResult:
+def gate_margin(candidate: VersionInfo, margin: float | None) -> tuple[float, str]:
+    """The margin the gate uses and where it came from: the one given (`--margin`, LORAFLEET_PROMOTE_MARGIN), else
+    the one research judged the version by (recorded in its bundle and tag), else DEFAULT_MARGIN (research's
+    default, for versions registered without one)."""
+    if margin is not None:
+        return margin, "given"
+    raw = candidate.tags.get(MARGIN_TAG)
+    if raw is not None:
+        try:
+            return float(raw), "recorded by research"
+        except ValueError:
+            pass
+    return DEFAULT_MARGIN, "default"
+
+
+def check_gate(candidate: VersionInfo, champion: VersionInfo | None, margin: float | None = None) -> GateResult:
     """Pure apart from the plugin lookup: the candidate's task kind judges it against base and champion.
 
-    Test numbers measured on different datasets say nothing about each other: when both versions record their
-    dataset digest and the digests differ, the comparison with the champion is refused (the gate fails; the
-    base comparison, made on the candidate's own test set, still counts). A version without a digest (older
-    registries) is compared as before."""
+    `margin` None: the one research recorded for the version (gate_margin). Beating means strictly better by the
+    margin (a tie is no win). Test numbers measured on different datasets say nothing about each other: when both
+    versions record their dataset digest and the digests differ, the comparison with the champion is refused (the
+    gate fails; the base comparison, made on the candidate's own test set, still counts). A version without a
+    digest (older registries) is compared as before."""
+    margin, source = gate_margin(candidate, margin)
+    return dataclasses.replace(_judge(candidate, champion, margin), margin_source=source)
+
+
+def _judge(candidate: VersionInfo, champion: VersionInfo | None, margin: float) -> GateResult:
     kind = get_task_kind(candidate.task)
     mine = candidate.dataset_digest
     theirs = champion.dataset_digest if champion is not None else None
@@ -118,6 +151,7 @@ class FleetTarget:
     client: ClientSettings = field(default_factory=ClientSettings)  # control: writing the fleet bucket is its job
     heartbeat_s: float = 1.0  # the workers' heartbeat period (the fleet file's), for how long preload listens
     retention: Retention = field(default_factory=Retention)  # the fleet file's gateway.retain_s/retain_versions
+    precisions: dict[str, str] = field(default_factory=dict)  # base → the fleet file's `precision:` (issue 39)
 
 
 @dataclass(frozen=True)
@@ -160,7 +194,8 @@ def _target(url: str, fleet: FleetConfig | None, source: str, client: ClientSett
     if fleet is None:
         return FleetTarget(url, None, source, client)
     return FleetTarget(url, [b.name for b in fleet.bases], source, client, fleet.worker.heartbeat_s,
-                       Retention(fleet.gateway.retain_s, fleet.gateway.retain_versions))
+                       Retention(fleet.gateway.retain_s, fleet.gateway.retain_versions),
+                       {b.name: b.precision for b in fleet.bases})
 
 
 async def _heartbeat_bases(nc: object, wait_s: float = 2.5) -> list[str]:
@@ -169,8 +204,10 @@ async def _heartbeat_bases(nc: object, wait_s: float = 2.5) -> list[str]:
     return sorted({b for hb in seen.values() for b in hb.bases})
 
 
-async def _connect(url: str, client: ClientSettings | None = None) -> object:
-    """A NATS connection that fails fast: nats-py keeps retrying a refused first connect on its own."""
+async def _connect(url: str, client: ClientSettings | None = None, *, lasting: bool = False) -> object:
+    """A NATS connection that fails fast: nats-py keeps retrying a refused first connect on its own. `lasting`
+    (the canary watch, which guards for minutes): the gateway's and workers' pings and reconnects
+    (RECONNECT_OPTIONS), so a server that goes silent is noticed within seconds and another node taken."""
     from urllib.parse import urlsplit
 
     import nats
@@ -185,11 +222,11 @@ async def _connect(url: str, client: ClientSettings | None = None) -> object:
         return None
 
     options = (client or ClientSettings()).options()
+    keep = {"allow_reconnect": True, **RECONNECT_OPTIONS} if lasting else \
+        {"allow_reconnect": False, "max_reconnect_attempts": 0}
     try:
-        return await asyncio.wait_for(
-            nats.connect(servers, connect_timeout=3, allow_reconnect=False, max_reconnect_attempts=0, error_cb=_quiet,
-                         **options),
-            timeout=6.0)
+        return await asyncio.wait_for(nats.connect(servers, connect_timeout=3, error_cb=_quiet, **keep, **options),
+                                      timeout=6.0)
     except Exception as exc:
         raise FleetStateError(explain_connect_error(exc, url)) from exc
 
@@ -212,6 +249,7 @@ class Agreement:
     # The live entry as read (its retained versions carry over to the next write); not part of key(): the revision
     # already says whether it changed.
     entry: FleetEntry | None = field(default=None, compare=False)
+    before: Agreement | None = field(default=None, compare=False)  # after a repair: the disagreement it repaired
 
     @property
     def agrees(self) -> bool:
@@ -247,29 +285,47 @@ def rollback_target(name: str, champion: str | None, history: tuple[str, ...]) -
 
 
 async def _snapshot(kv: object, name: str) -> Agreement:
-    champion = await asyncio.to_thread(store.alias_version, name, CHAMPION)
-    history = tuple(await asyncio.to_thread(store.champion_history, name))
+    champion = await in_thread(store.alias_version, name, CHAMPION)
+    history = tuple(await in_thread(store.champion_history, name))
     entry, revision = await read_entry(kv, name)
     return Agreement(name, champion, entry.version if entry is not None else None, history, revision, entry=entry)
 
 
-async def _repair(kv: object, state: Agreement, retention: Retention | None = None) -> Agreement:
+def taken_out(state: Agreement) -> bool:
+    """Whether the alias names a version the fleet entry lists as retired (an aborted canary, a version taken out)
+    while the fleet serves another: a repair must not bring it back, the alias follows the fleet instead."""
+    return (state.entry is not None and state.champion is not None and state.served is not None
+            and state.champion != state.served and state.champion in state.entry.retired)
+
+
+async def _repair(kv: object, state: Agreement, retention: Retention | None = None, lock: HeldLock | None = None
+                  ) -> Agreement:
     """Make the fleet entry and the history follow the alias (under the name's lock); the version it replaces is
-    retained like a promote's (pinned clients of it keep working)."""
+    retained like a promote's (pinned clients of it keep working). When the alias names a version the fleet took
+    out (`taken_out`), the alias and history follow the fleet instead."""
     assert state.champion is not None  # agrees otherwise
     revision = state.revision
     entry = state.entry
+    if taken_out(state):
+        assert state.served is not None
+        history = repaired_history(state.history, state.served)
+        await write_alias(lock, state.name, state.served)
+        if history != state.history:
+            await write_history(lock, state.name, history)
+        log.warning("%s: repaired the disagreement %s: the alias names v%s, which the fleet took out; it follows "
+                    "the fleet again", state.name, state.describe(), state.champion)
+        return dataclasses.replace(state, champion=state.served, history=history, repaired=True, before=state)
     if state.served != state.champion:
-        info, spec = await asyncio.to_thread(store.bundle_spec, state.name, state.champion)
+        info, spec = await in_thread(store.bundle_spec, state.name, state.champion)
         entry = with_retention(state.entry, _entry(info, spec.base.name, spec.profile, "set", spec),
                                retention or Retention(), time.time())
-        revision = await write_entry(kv, entry, last=revision)
+        revision = await write_fleet(lock, kv, entry, revision)
     history = repaired_history(state.history, state.champion)
     if history != state.history:
-        await asyncio.to_thread(store.set_champion_history, state.name, list(history))
+        await write_history(lock, state.name, history)
     log.warning("%s: repaired the disagreement %s", state.name, state.describe())
     return dataclasses.replace(state, served=state.champion, history=history, revision=revision, repaired=True,
-                               entry=entry)
+                               entry=entry, before=state)
 
 
 # -- promote / rollback ---------------------------------------------------------------------------
@@ -293,7 +349,7 @@ def _entry(info: VersionInfo, base: str, profile: ServingProfile | None,
     details = spec.details if spec is not None else {}
     generation = details.get("generation")
     return FleetEntry(name=info.name, base=base, adapter_id=adapter_id_for(info.name, info.version),
-                      adapter_uri=version_uri(info.name, info.version), profile=profile,
+                      adapter_uri=version_uri(info.name, info.version), profile=judged_profile(profile, spec),
                       version=info.version, registered_model=info.name, action=action,
                       kind=spec.kind if spec is not None else None,
                       system_prompt=details.get("system_prompt") or None,
@@ -344,21 +400,35 @@ class _Switched:
     precision: PrecisionNotice | None = None
 
 
-def _move(name: str, version: str, history: tuple[str, ...]) -> None:
-    store.set_alias(name, CHAMPION, version)
-    store.set_champion_history(name, list(history))
-
-
-def _undo(name: str, version: str, before: Agreement) -> None:
-    """Put alias and history back as read, unless the alias no longer shows this switch (never overwrite another
-    change)."""
-    if store.alias_version(name, CHAMPION) != version:
+async def _undo(lock: HeldLock, name: str, version: str, history: tuple[str, ...], before: Agreement) -> None:
+    """Put alias and history back as read, compare-then-set: only while this switch still holds the lock, and
+    only when the alias and the history show this switch's writes (or the history is still as read). Anything
+    else is a newer change, never overwritten."""
+    try:
+        await lock.verify()
+    except LockLost as exc:
+        log.warning("%s: not undoing the switch to v%s: %s", name, version, exc)
         return
-    if before.champion is None:
-        store.delete_alias(name, CHAMPION)
-    else:
-        store.set_alias(name, CHAMPION, before.champion)
-    store.set_champion_history(name, list(before.history))
+    if await in_thread(store.alias_version, name, CHAMPION) != version:
+        return
+    now = tuple(await in_thread(store.champion_history, name))
+    if now not in (history, before.history):
+        log.warning("%s: not undoing the switch to v%s: the history changed meanwhile (%s)", name, version,
+                    ",".join(now))
+        return
+    if before.champion != version:
+        await write_alias(lock, name, before.champion)
+    if now != before.history:
+        await write_history(lock, name, before.history)
+
+
+async def _undo_quietly(lock: HeldLock, name: str, version: str, history: tuple[str, ...], before: Agreement
+                        ) -> None:
+    try:
+        await _undo(lock, name, version, history, before)
+    except BaseException as exc:  # the failure that led here is the one to raise
+        log.error("%s: undoing the switch to v%s failed (%r): run `lorafleet registry check %s --repair`", name,
+                  version, exc, name)
 
 
 async def _switch_locked(nc: object, kv: object, lock: HeldLock, target: FleetTarget, bases: list[str], name: str,
@@ -370,29 +440,38 @@ async def _switch_locked(nc: object, kv: object, lock: HeldLock, target: FleetTa
         found = state
         say(f"{name}: the registry and the fleet disagree ({state.describe()}): the fleet state follows the "
             "champion alias again first")
-        state = await _repair(kv, state, target.retention)
-    info, history, gate = await asyncio.to_thread(decide, state)
-    _, spec = await asyncio.to_thread(store.bundle_spec, info.name, info.version)
+        state = await _repair(kv, state, target.retention, lock)
+    await lock.verify()  # the repair and the reads took a while
+    info, history, gate = await in_thread(decide, state)
+    _, spec = await in_thread(store.bundle_spec, info.name, info.version)
     if spec.base.name not in bases:
         raise PromotionError(f"{info.name} v{info.version} runs on base {spec.base.name!r}, which this fleet "
                              f"does not serve (it serves: {', '.join(bases)}); add the base to the fleet first")
     entry = _entry(info, spec.base.name, spec.profile, action, spec)
     preloaded = await _preload(nc, kv, entry, target, preload) if preload.enabled else None
     try:
-        lock.ensure()
+        await lock.verify()
         fresh = await _snapshot(kv, name)  # the preload took a while: decide on what is true now
+        reached("read")
         if fresh.key() != state.key():
             raise PromotionError(f"{name} changed while the preload ran (was: {state.describe()}; now: "
                                  f"{fresh.describe()}); nothing changed. Run it again")
         # The champion it replaces stays served as NAME@N for the retention window (issue 25): carried in the
         # entry written by this compare-and-set, so every gateway agrees and a restart keeps it.
         entry = with_retention(fresh.entry, entry, target.retention, time.time())
-        await asyncio.to_thread(_move, name, info.version, history)
+        # Each write checks the lock first (registry/writes.py). An interruption of any kind after the alias moved
+        # undoes what this switch wrote (compare-then-set), unless it lost the lock: then the next holder is in
+        # charge, and a repair of its own makes the stores agree.
         try:
-            await write_entry(kv, entry, last=fresh.revision)
-        except Exception as exc:
-            await asyncio.to_thread(_undo, name, info.version, fresh)
-            raise FleetStateError(f"writing the fleet state failed, alias restored: {exc}") from exc
+            await write_alias(lock, name, info.version)
+            await write_history(lock, name, history)
+        except LockLost:
+            raise
+        except BaseException:
+            await _undo_quietly(lock, name, info.version, history, fresh)
+            raise
+        await write_fleet(lock, kv, entry, fresh.revision,
+                          undo=lambda: _undo(lock, name, info.version, history, fresh))
     finally:
         if preloaded is not None:
             with contextlib.suppress(Exception):  # workers ignore a stale one: the adapter is loaded
@@ -418,10 +497,10 @@ async def _switch(target: FleetTarget, name: str, action: Literal["promote", "ro
         try:
             async with promote_lock(kv, name, action) as lock:
                 done = await _switch_locked(nc, kv, lock, target, bases, name, action, decide, preload)
-        except LockBusy as exc:
+        except (LockBusy, LockLost) as exc:
             raise PromotionError(str(exc)) from exc
-        tuned = done.entry.profile.precision if done.entry.profile is not None else None
-        notice = await listener.notice(done.entry.base, tuned, target.heartbeat_s)
+        notice = await listener.notice(done.entry.base, judged_of(done.entry), target.heartbeat_s,
+                                       target.precisions.get(done.entry.base))
         await listener.close()
         return dataclasses.replace(done, precision=notice)
     finally:
@@ -436,7 +515,7 @@ def _with_retention(target: FleetTarget, retention: Retention | None,
     return dataclasses.replace(target, retention=dataclasses.replace(chosen, **(changes or {})))  # type: ignore[arg-type]
 
 
-def _gate_or_refuse(info: VersionInfo, champion: str | None, margin: float, force: bool) -> GateResult:
+def _gate_or_refuse(info: VersionInfo, champion: str | None, margin: float | None, force: bool) -> GateResult:
     gate = check_gate(info, store.get_version(info.name, champion) if champion is not None else None, margin)
     if not gate.ok and not force:
         raise PromotionError(f"{info.name} v{info.version} fails the quality gate: " + "; ".join(gate.reasons)
@@ -465,7 +544,7 @@ def promote(name: str, version: str | int | None = None, *, force: bool = False,
         history = state.history if state.history[-1:] == (info.version,) else (*state.history, info.version)
         return info, history, gate
 
-    done = asyncio.run(_switch(target, name, "promote", decide, preload or Preload()))
+    done = run_transition(_switch(target, name, "promote", decide, preload or Preload()))
     return Outcome(name, info.version, done.previous, "promote", done.entry, done.gate, target.nats_url,
                    done.preload, done.repaired, done.precision)
 
@@ -483,7 +562,7 @@ def rollback(name: str, *, nats_url: str | None = None, fleet_file: Path | None 
         version, history = rollback_target(name, state.champion, state.history)
         return store.get_version(name, version), history, None
 
-    done = asyncio.run(_switch(target, name, "rollback", decide, preload or Preload()))
+    done = run_transition(_switch(target, name, "rollback", decide, preload or Preload()))
     return Outcome(name, done.entry.version, done.previous, "rollback", done.entry, None, target.nats_url,
                    done.preload, done.repaired, done.precision)
 
@@ -503,13 +582,14 @@ def check(name: str, *, nats_url: str | None = None, fleet_file: Path | None = N
             if state.agrees or not repair:
                 return state
             try:
-                async with promote_lock(kv, name, "repair"):
+                async with promote_lock(kv, name, "repair") as lock:
                     state = await _snapshot(kv, name)
-                    return state if state.agrees else await _repair(kv, state, target.retention)
-            except LockBusy as exc:
+                    reached("read")
+                    return state if state.agrees else await _repair(kv, state, target.retention, lock)
+            except (LockBusy, LockLost) as exc:
                 raise PromotionError(str(exc)) from exc
         finally:
             with contextlib.suppress(Exception):
                 await nc.close()  # type: ignore[attr-defined]
 
-    return asyncio.run(run())
+    return run_transition(run())

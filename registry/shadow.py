@@ -8,6 +8,7 @@ clients only ever see the champion. `--finish` and `--abort` first sum the figur
 `lorafleet.stats.gateway.<id>.shadow`) and log them to the candidate's MLflow run as an online evaluation
 (`online_*` metrics, beside the offline ones), then `--finish` makes the candidate champion through promote's path
 and `--abort` removes the shadow. While a shadow runs, a promote, rollback or canary of the name is refused.
+Start, abort and dropping a stale shadow share their path with canary.py (registry/transition.py).
 """
 
 from __future__ import annotations
@@ -29,32 +30,27 @@ from lorafleet.fleet_state import (
     ShadowSpec,
     adapter_id_for,
     canary_spec,
-    delete_staged,
     open_fleet_bucket,
     read_entries,
     read_entry,
-    write_entry,
 )
 from lorafleet.nats_client import ClientSettings
 from lorafleet.registry import store
 from lorafleet.registry.canary import CanaryError
-from lorafleet.registry.lock import LockBusy, promote_lock
 from lorafleet.registry.promote import (
     Agreement,
     Outcome,
     Preload,
-    _bases,
     _connect,
-    _entry,
     _gate_or_refuse,
-    _preload,
-    _snapshot,
     _switch,
     _with_retention,
     default_margin,
     find_fleet,
 )
 from lorafleet.registry.store import CANDIDATE, CHAMPION, RegistryError, VersionInfo
+from lorafleet.registry.transition import Change, Split, connected, finished_by_repair, locked, rewrite, start_split
+from lorafleet.registry.writes import run_transition
 from lorafleet.tasks import GateResult
 
 log = logging.getLogger(__name__)
@@ -150,48 +146,17 @@ def start(name: str, version: str | int | None, percent: float, *, force: bool =
     check_kind(name, info.version, first.kind)
     _gate_or_refuse(info, store.alias_version(name, CHAMPION), margin, force)
     target = find_fleet(nats_url, fleet_file, creds)
-    preload = preload or Preload()
 
-    async def run() -> ShadowOutcome:
-        nc = await _connect(target.nats_url, target.client)
-        try:
-            kv = await open_fleet_bucket(nc.jetstream())  # type: ignore[attr-defined]
-            bases = await _bases(nc, target)
-            try:
-                async with promote_lock(kv, name, "shadow") as lock:
-                    state = await _snapshot(kv, name)
-                    if not state.agrees:
-                        raise ShadowError(f"{name}: the registry and the fleet disagree ({state.describe()}); "
-                                          f"run `lorafleet registry check {name} --repair` first")
-                    ShadowState.of(name, state.entry).start(info.version)
-                    gate = await asyncio.to_thread(_gate_or_refuse, info, state.champion, margin, force)
-                    _, spec = await asyncio.to_thread(store.bundle_spec, info.name, info.version)
-                    if spec.base.name not in bases:
-                        raise ShadowError(f"{name} v{info.version} runs on base {spec.base.name!r}, which this fleet "
-                                          f"does not serve (it serves: {', '.join(bases)})")
-                    candidate = _entry(info, spec.base.name, spec.profile, "promote", spec)
-                    preloaded = await _preload(nc, kv, candidate, target, preload) if preload.enabled else None
-                    try:
-                        lock.ensure()
-                        fresh = await _snapshot(kv, name)
-                        if fresh.key() != state.key() or fresh.entry is None:
-                            raise ShadowError(f"{name} changed while the preload ran (was: {state.describe()}; now: "
-                                              f"{fresh.describe()}); nothing changed. Run it again")
-                        shadow = ShadowSpec(**canary_spec(candidate, percent).model_dump())
-                        entry = fresh.entry.model_copy(update={"shadow": shadow})
-                        await write_entry(kv, entry, last=fresh.revision)
-                    finally:
-                        if preloaded is not None:
-                            with contextlib.suppress(Exception):
-                                await delete_staged(kv, name)
-            except LockBusy as exc:
-                raise ShadowError(str(exc)) from exc
-            return ShadowOutcome(name, entry.version, info.version, percent, entry, gate, target.nats_url)
-        finally:
-            with contextlib.suppress(Exception):
-                await nc.close()  # type: ignore[attr-defined]
+    def allowed(state: Agreement) -> None:
+        ShadowState.of(name, state.entry).start(info.version)
 
-    return asyncio.run(run())
+    def place(live: FleetEntry, candidate: FleetEntry) -> FleetEntry:
+        return live.model_copy(update={"shadow": ShadowSpec(**canary_spec(candidate, percent).model_dump())})
+
+    entry, gate = run_transition(start_split(
+        target, name, info, Split("shadow", ShadowError, allowed, place),
+        lambda champion: _gate_or_refuse(info, champion, margin, force), preload or Preload()))
+    return ShadowOutcome(name, entry.version, info.version, percent, entry, gate, target.nats_url)
 
 
 # -- the figures ----------------------------------------------------------------------------------------------
@@ -289,27 +254,22 @@ def abort(name: str, *, nats_url: str | None = None, fleet_file: Path | None = N
 
     async def run() -> ShadowOutcome:
         seen, figures, run_id = await _gather_and_log(target, name, listen_s)
-        nc = await _connect(target.nats_url, target.client)
-        try:
-            kv = await open_fleet_bucket(nc.jetstream())  # type: ignore[attr-defined]
-            async with promote_lock(kv, name, "shadow abort") as lock:
-                entry, revision = await read_entry(kv, name)
-                ShadowState.of(name, entry).end()
-                assert entry is not None and entry.shadow is not None and seen.shadow is not None
-                if entry.shadow.version != seen.shadow.version:
-                    raise ShadowError(f"{name}: the shadow changed while its figures were read; nothing changed")
-                new = entry.model_copy(update={"shadow": None})
-                lock.ensure()
-                await write_entry(kv, new, last=revision)
-        except LockBusy as exc:
-            raise ShadowError(str(exc)) from exc
-        finally:
-            with contextlib.suppress(Exception):
-                await nc.close()  # type: ignore[attr-defined]
-        return ShadowOutcome(name, new.version, None, seen.shadow.percent, new, None, target.nats_url, figures,
-                             run_id)
+        assert seen.shadow is not None
 
-    return asyncio.run(run())
+        def change(entry: FleetEntry | None) -> Change:
+            ShadowState.of(name, entry).end()
+            assert entry is not None and entry.shadow is not None and seen.shadow is not None
+            if entry.shadow.version != seen.shadow.version:
+                raise ShadowError(f"{name}: the shadow changed while its figures were read; nothing changed")
+            return Change(entry.model_copy(update={"shadow": None}), ends=entry.shadow.version)
+
+        async with connected(target) as (_, kv), locked(kv, name, "shadow abort", ShadowError) as lock:
+            done = await rewrite(kv, lock, name, change)
+        assert done is not None
+        return ShadowOutcome(name, done.entry.version, None, seen.shadow.percent, done.entry, None, target.nats_url,
+                             figures, run_id)
+
+    return run_transition(run())
 
 
 def finish(name: str, *, force: bool = False, margin: float | None = None, nats_url: str | None = None,
@@ -325,6 +285,8 @@ def finish(name: str, *, force: bool = False, margin: float | None = None, nats_
     version = seen.shadow.version
 
     def decide(state: Agreement) -> tuple[VersionInfo, tuple[str, ...], GateResult | None]:
+        if finished_by_repair(state, version):  # a finish that died after moving the alias: completed by the repair
+            return store.get_version(name, version), state.history, None
         now = ShadowState.of(name, state.entry)
         now.end()
         if now.shadow != version:
@@ -333,7 +295,7 @@ def finish(name: str, *, force: bool = False, margin: float | None = None, nats_
         history = state.history if state.history[-1:] == (version,) else (*state.history, version)
         return info, history, _gate_or_refuse(info, state.champion, margin, force)
 
-    done = asyncio.run(_switch(target, name, "promote", decide, preload or Preload()))
+    done = run_transition(_switch(target, name, "promote", decide, preload or Preload()))
     out = Outcome(name, done.entry.version, done.previous, "promote", done.entry, done.gate, target.nats_url,
                   done.preload, done.repaired, done.precision)
     return out, figures, run_id
@@ -394,30 +356,23 @@ def drop_stale(name: str, *, repair: bool, nats_url: str | None = None, fleet_fi
             registered = set()
         return split_problem(entry, registered, store.alias_version(name, CHAMPION))
 
+    def change(entry: FleetEntry | None) -> Change | None:
+        why = problem(entry)
+        if why is None or entry is None:
+            return None
+        return Change(entry.model_copy(update={"canary": None, "shadow": None}), why=why)
+
     async def run() -> str | None:
-        nc = await _connect(target.nats_url, target.client)
-        try:
-            kv = await open_fleet_bucket(nc.jetstream())  # type: ignore[attr-defined]
+        async with connected(target) as (_, kv):
             entry, _ = await read_entry(kv, name)
             why = await asyncio.to_thread(problem, entry)
             if why is None or not repair:
                 return why
-            try:
-                async with promote_lock(kv, name, "repair") as lock:
-                    entry, revision = await read_entry(kv, name)
-                    why = await asyncio.to_thread(problem, entry)
-                    if why is None or entry is None:
-                        return None
-                    lock.ensure()
-                    await write_entry(kv, entry.model_copy(update={"canary": None, "shadow": None}), last=revision)
-                    return why
-            except LockBusy as exc:
-                raise ShadowError(str(exc)) from exc
-        finally:
-            with contextlib.suppress(Exception):
-                await nc.close()  # type: ignore[attr-defined]
+            async with locked(kv, name, "repair", ShadowError) as lock:
+                done = await rewrite(kv, lock, name, change)
+            return done.why if done is not None else None
 
-    return asyncio.run(run())
+    return run_transition(run())
 
 
 __all__ = ["ShadowError", "ShadowOutcome", "ShadowState", "abort", "check_kind", "check_share", "collect",

@@ -27,6 +27,7 @@ from lorafleet.registry.bundle import (
     ADAPTER_DIR,
     BUNDLE_FILE,
     DEFAULT_TASK,
+    MARGIN_TAG,
     BundleError,
     BundleIntegrityError,
     BundleSpec,
@@ -143,7 +144,8 @@ def register_bundle(name: str, adapter_dir: str | Path, *, base_source: str, bas
                     max_seq_length: int | None = None, run_id: str | None = None, alias: str | None = None,
                     description: str | None = None, extra_tags: dict[str, str] | None = None,
                     task: str = DEFAULT_TASK, kind: str = "sentence-transformers",
-                    runtime: str = "sentence-transformers", details: dict[str, Any] | None = None) -> BundleRef:
+                    runtime: str = "sentence-transformers", details: dict[str, Any] | None = None,
+                    margin: float | None = None) -> BundleRef:
     """Build the bundle, log it under `run_id` (or a new run in the bundles experiment), register a version.
 
     Returns (name, version). With `alias`, points it at the new version (research uses 'candidate').
@@ -159,7 +161,7 @@ def register_bundle(name: str, adapter_dir: str | Path, *, base_source: str, bas
                             base_name=base_name, base_revision=base_revision, profile=profile,
                             profile_source=profile_source, metrics=metrics, dataset_digest=dataset_digest,
                             report_paths=report_paths, max_seq_length=max_seq_length, task=task, kind=kind,
-                            runtime=runtime, details=details)
+                            runtime=runtime, details=details, margin=margin)
         spec_sha = sha256_file(bundle_dir / BUNDLE_FILE)
         own_run = run_id is None
         if own_run:
@@ -189,6 +191,8 @@ def register_bundle(name: str, adapter_dir: str | Path, *, base_source: str, bas
     tags.update({TAG_BASE: spec.base.name})
     if dataset_digest:
         tags[TAG_DIGEST] = dataset_digest
+    if spec.margin is not None:  # what promotion gates at (registry/promote.py check_gate)
+        tags[MARGIN_TAG] = f"{spec.margin:g}"
     tags.update({"profile_source": spec.profile_source, TAG_SPEC_SHA: spec_sha, TAG_TASK: task})
     tags.update(extra_tags or {})
     mv = c.create_model_version(name, source, run_id=run_id, tags=tags,

@@ -12,6 +12,12 @@ little traffic on either side to judge leaves the canary as it is and says so.
 The watcher writes `watcher` (host/pid) and `watch_until` into the canary's spec by compare-and-set under the
 promote lock, and says it is alive as presence `control/watch-<name>`: when the watching command dies, the
 canary stays at its percentage (safe) and `lorafleet status` says that nobody watches it.
+
+A failing canary is aborted within `abort_within_s` (issue 38), whatever else holds the name's lock for a moment
+(a CI promote that takes it and is refused, a repair): the abort waits for the lock's release on its KV watch and
+tries again, with a short backoff against one that takes it again at once; the mark is cleared the same way. The
+watch's connection pings and reconnects like a gateway's (`_connect(lasting=True)`): a server that goes silent is
+noticed within seconds, and the watch goes on through another node of a cluster.
 """
 
 from __future__ import annotations
@@ -22,21 +28,29 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from lorafleet import heartbeats
-from lorafleet.fleet_state import FleetEntry, Retention, open_fleet_bucket, read_entry, write_entry
+from lorafleet.fleet_state import FleetEntry, Retention, open_fleet_bucket, read_entry
 from lorafleet.heartbeats import GatewayStats, VersionCounts
 from lorafleet.registry import canary, store
-from lorafleet.registry.lock import LockBusy, promote_lock
+from lorafleet.registry.lock import LOCK_TTL_S, LockBusy, promote_lock, wait_released
 from lorafleet.registry.promote import Outcome, Preload, _connect, find_fleet
+from lorafleet.registry.transition import Change, rewrite
 
 log = logging.getLogger(__name__)
 
 SAMPLE_EVERY_S = 2.0  # gateways publish every PRESENCE_EVERY_S; a few samples per decision is plenty
+# A holder that died leaves the lock for at most its TTL; one that lives releases it soon (a refused promote, a
+# repair). A failing canary is aborted within this, or the watch says loudly that it could not.
+ABORT_WITHIN_S = 2 * LOCK_TTL_S
+UNMARK_WITHIN_S = 10.0  # clearing the watcher at the end (an interrupted watch should not hang on it)
+BACKOFF_S = (0.05, 1.0)  # first and longest pause before a retry that follows a release at once
+
+T = TypeVar("T")
 ABORT_TAG = "lorafleet.canary_aborted"  # on the candidate's model version (and its run): why the watch aborted it
 
 
@@ -174,37 +188,57 @@ def _tag_abort(name: str, version: str, reason: str) -> None:
         log.warning("could not tag %s v%s with the abort reason: %s", name, version, exc)
 
 
+async def while_busy(kv: Any, name: str, attempt: Callable[[], Awaitable[T]], within_s: float,
+                     say: Callable[[str], None] = log.info) -> T:
+    """`attempt()` until it does not meet LockBusy: after each refusal, wait for the lock's release (its KV watch),
+    then a short backoff that grows (against a holder that takes it again at once); CanaryError once `within_s`
+    has passed."""
+    deadline = time.monotonic() + within_s
+    pause = BACKOFF_S[0]
+    while True:
+        try:
+            return await attempt()
+        except LockBusy as exc:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise canary.CanaryError(f"{exc} (waited {within_s:g}s for it)") from exc
+            who = exc.holder.describe() if exc.holder is not None else "another command"
+            say(f"{name}: the name's lock is held ({who}); waiting for its release (up to {left:.0f}s more)")
+            if await wait_released(kv, name, left):
+                await asyncio.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+                pause = min(BACKOFF_S[1], pause * 2)
+
+
 async def _mark(kv: Any, name: str, version: str, watcher: str | None, until: float | None) -> FleetEntry:
-    """Write (or clear) the watcher of the canary of `version`, by compare-and-set under the promote lock."""
-    try:
-        async with promote_lock(kv, name, "canary watch") as lock:
-            entry, revision = await read_entry(kv, name)
-            if entry is None or entry.canary is None or entry.canary.version != version:
-                raise canary.CanaryError(f"{name} has no canary of v{version} in progress (any more); nothing "
-                                         "to watch")
-            spec = entry.canary.model_copy(update={"watcher": watcher, "watch_until": until})
-            new = entry.model_copy(update={"canary": spec})
-            lock.ensure()
-            await write_entry(kv, new, last=revision)
-            return new
-    except LockBusy as exc:
-        raise canary.CanaryError(str(exc)) from exc
+    """Write (or clear) the watcher of the canary of `version`, by compare-and-set under the promote lock;
+    LockBusy when another holds the name (`while_busy` tries again)."""
+    def change(entry: FleetEntry | None) -> Change:
+        if entry is None or entry.canary is None or entry.canary.version != version:
+            raise canary.CanaryError(f"{name} has no canary of v{version} in progress (any more); nothing to watch")
+        spec = entry.canary.model_copy(update={"watcher": watcher, "watch_until": until})
+        return Change(entry.model_copy(update={"canary": spec}))
+
+    async with promote_lock(kv, name, "canary watch") as lock:
+        done = await rewrite(kv, lock, name, change)
+    assert done is not None
+    return done.entry
 
 
 def watch(name: str, duration_s: float, margins: Margins | None = None, *, nats_url: str | None = None,
           fleet_file: Path | None = None, creds: Path | None = None, every_s: float = SAMPLE_EVERY_S,
           force: bool = False, margin: float | None = None, preload: Preload | None = None,
           retention: Retention | None = None, retention_changes: dict[str, float | int | None] | None = None,
-          say: Callable[[str], None] = print) -> WatchOutcome:
+          say: Callable[[str], None] = print, abort_within_s: float = ABORT_WITHIN_S) -> WatchOutcome:
     """Watch the canary of `name` in progress for `duration_s`: abort it as soon as the candidate is worse by the
-    margins, finish it when the window passes (finish's gate and preload as `promote --finish`)."""
+    margins (within `abort_within_s`, whoever holds the lock meanwhile), finish it when the window passes
+    (finish's gate and preload as `promote --finish`)."""
     if duration_s <= 0:
         raise canary.CanaryError(f"--watch: the window must be longer than 0 s (got {duration_s:g})")
     margins = margins or Margins()
     target = find_fleet(nats_url, fleet_file, creds)
 
     async def run() -> WatchOutcome:
-        nc = await _connect(target.nats_url, target.client)
+        nc = await _connect(target.nats_url, target.client, lasting=True)
         tally = Tally()
         sub = beacon = None
         version = ""
@@ -221,7 +255,7 @@ def watch(name: str, duration_s: float, margins: Margins | None = None, *, nats_
             beacon = heartbeats.Beacon(nc, "control", presence_name(name), lambda: "watching")
             beacon.start()
             until = time.time() + duration_s
-            await _mark(kv, name, version, watcher_id(), until)
+            await while_busy(kv, name, lambda: _mark(kv, name, version, watcher_id(), until), abort_within_s, say)
             marked = True
             say(f"{name}: watching canary v{version} against champion v{champion} until "
                 f"{time.strftime('%H:%M:%S', time.localtime(until))} (abort if its error rate is "
@@ -231,7 +265,11 @@ def watch(name: str, duration_s: float, margins: Margins | None = None, *, nats_
             while True:
                 now = time.time()
                 await asyncio.sleep(max(0.0, min(every_s, until - now)))
-                current, _ = await read_entry(kv, name)
+                try:
+                    current, _ = await read_entry(kv, name)
+                except Exception as exc:  # a reconnect in progress: the stats go on, read again next round
+                    log.warning("watch %s: reading the fleet state failed (%s); trying again", name, exc)
+                    continue
                 if current is None or current.canary is None or current.canary.version != version:
                     marked = False
                     return WatchOutcome(name, "ended", "the canary was ended while it was watched",
@@ -241,8 +279,9 @@ def watch(name: str, duration_s: float, margins: Margins | None = None, *, nats_
                 log.info("watch %s v%s: %s (%s)", name, version, verdict.decision, verdict.reason)
                 if verdict.decision == "fail":
                     reason = f"v{version} is worse than champion v{champion}: {verdict.reason}"
-                    await asyncio.to_thread(canary.abort, name, nats_url=target.nats_url, fleet_file=fleet_file,
-                                            creds=creds, expect=version)
+                    say(f"{name}: {reason}: aborting")
+                    await while_busy(kv, name, lambda: canary.abort_on(kv, name, expect=version), abort_within_s,
+                                     say)
                     marked = False
                     await asyncio.to_thread(_tag_abort, name, version, reason)
                     return WatchOutcome(name, "aborted", reason, champ, cand)
@@ -260,7 +299,7 @@ def watch(name: str, duration_s: float, margins: Margins | None = None, *, nats_
         finally:
             if marked:  # undecided or interrupted: the canary stays, and says that nobody watches it any more
                 with contextlib.suppress(Exception):
-                    await _mark(kv, name, version, None, None)
+                    await while_busy(kv, name, lambda: _mark(kv, name, version, None, None), UNMARK_WITHIN_S, say)
             if beacon is not None:
                 await beacon.stop()
             if sub is not None:
@@ -272,5 +311,5 @@ def watch(name: str, duration_s: float, margins: Margins | None = None, *, nats_
     return asyncio.run(run())
 
 
-__all__ = ["ABORT_TAG", "Margins", "Tally", "Verdict", "WatchOutcome", "judge", "presence_name", "watch",
-           "watcher_id"]
+__all__ = ["ABORT_TAG", "ABORT_WITHIN_S", "Margins", "Tally", "Verdict", "WatchOutcome", "judge", "presence_name",
+           "watch", "watcher_id", "while_busy"]

@@ -8,7 +8,9 @@ against the TrainConfig model, so a typo fails before any training starts.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+import math
 import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -17,7 +19,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 from lorafleet.config import ConfigError, StrictModel, apply_overrides, read_yaml, validate_model
 from lorafleet.plugins import PluginError
-from lorafleet.tasks import TaskKind, get_task_kind
+from lorafleet.tasks import DEFAULT_MARGIN, TaskKind, get_task_kind
 
 STUDY_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 
@@ -111,11 +113,14 @@ class ResearchConfig(StrictModel):
     budget_minutes: float = Field(60.0, gt=0, description="Wall-clock budget of one `run` or `resume` invocation.")
     trial_timeout_minutes: float = Field(30.0, gt=0, description="A trial running longer fails ('time limit').")
     objective: str | None = Field(None, description="Dev metric that is optimised; default: the task kind's "
-                                  "(dev_ndcg@10 for retrieval), in the kind's direction.")
+                                  "(dev_ndcg@10 for retrieval). Only one its kind declares an objective, in the "
+                                  "direction it declares.")
     sampler: SamplerConfig = Field(default_factory=SamplerConfig)
     pruner: PrunerConfig = Field(default_factory=PrunerConfig)
     min_margin: float = Field(
-        0.02, ge=0, description="Winner must beat the base model on dev and test by this relative margin."
+        DEFAULT_MARGIN, ge=0, description="Winner must beat what its kind's gate compares with (the base model, or "
+        "its best baseline) on dev and test by this relative margin, strictly (a tie is no win); the bundle records "
+        "it and promotion gates at it."
     )
     reseed: bool = Field(True, description="Re-train the winner with a second seed and report the spread.")
     start_from_config: bool = Field(
@@ -239,6 +244,31 @@ def _on_grid(spec: IntParam | FloatParam, value: Any) -> bool:
     return abs(steps - round(steps)) < 1e-9
 
 
+MAX_VARIANTS = 512  # beyond this many combinations of choices, variants change one parameter at a time
+
+
+def space_variants(space: dict[str, Any], train_raw: dict[str, Any], params: dict[str, Any],
+                   train_model: type[StrictModel]) -> list[Any]:
+    """The config of `params` (a trial's, decoded) under the other choices of the space's categorical parameters
+    (ranges keep the trial's value): every combination, or one parameter at a time past MAX_VARIANTS. What a kind's
+    rivals are drawn from (rerank: the first stages the space holds). Invalid combinations are left out."""
+    choices = {path: spec.choices for path, spec in space.items() if isinstance(spec, CategoricalParam)}
+    if not choices:
+        return []
+    points: list[dict[str, Any]]
+    if math.prod(len(c) for c in choices.values()) <= MAX_VARIANTS:
+        points = [dict(zip(choices, combo, strict=True)) for combo in itertools.product(*choices.values())]
+    else:
+        points = [{path: value} for path, values in choices.items() for value in values]
+    out = []
+    for point in points:
+        try:
+            out.append(apply_params(train_raw, {**params, **point}, train_model))
+        except ConfigError:
+            continue
+    return out
+
+
 def validate_space(space: dict[str, Any], train_raw: dict[str, Any], train_model: type[StrictModel]) -> None:
     """Every path must be a TrainConfig field, and each bound/choice must make a valid TrainConfig."""
     for path, spec in space.items():
@@ -302,9 +332,10 @@ def from_raw(train_raw: dict[str, Any], research_raw: dict[str, Any], source: st
     research = validate_model(ResearchConfig, research_raw, source=f"{source} (research:)")
     if research.objective is None:
         research = research.model_copy(update={"objective": kind.metrics.objective})
-    elif not kind.metrics.reports(research.objective):
-        raise ConfigError(f"{source} (research:): objective {research.objective!r} is not a metric the {task} kind "
-                          f"reports; choose one of {', '.join('dev_' + m for m in kind.metrics.report)}")
+    elif research.objective not in kind.metrics.objective_directions():
+        allowed = ", ".join(f"{k} ({d})" for k, d in kind.metrics.objective_directions().items())
+        raise ConfigError(f"{source} (research:): objective {research.objective!r} is not an objective of the {task} "
+                          f"kind (a score of the adapter it may be chosen by); allowed: {allowed}")
     validate_model(kind.config_model, train_raw, source=f"{source} (train:)")
     validate_space(research.space, train_raw, kind.config_model)
     return LoadedConfig(task=task, research=research, train_raw=train_raw, source=source)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from optuna.trial import FrozenTrial
 from lorafleet.metrics import prefixed, to_test
 from lorafleet.tasks import beats
 
-from .config import apply_params
+from .config import apply_params, space_variants
 from .objective import metrics_of
 from .progress import Progress
 from .report import render_markdown, save_plots
@@ -130,7 +131,8 @@ def winner_adapter(session: Session, trial: FrozenTrial) -> tuple[str, str | Non
 # What a summary keeps of its result in the study, so that a later `research resume` (e.g. after shipping failed)
 # hands the pipeline the same winner to ship: its config, metrics and data digest, not only its verdict.
 SUMMARY_FIELDS = ("candidate", "verdict", "winner_trial", "winner_params", "winner_config", "winner_adapter_dir",
-                  "winner_adapter_uri", "winner_metrics", "reseed_metrics", "spread", "dataset_digest", "report_path")
+                  "winner_adapter_uri", "winner_metrics", "reseed_metrics", "spread", "dataset_digest", "report_path",
+                  "baseline", "margin")
 
 
 def restore_summary(result: ResearchResult, done: dict[str, Any]) -> ResearchResult:
@@ -148,6 +150,7 @@ def finalize(session: Session, result: ResearchResult, progress: Progress) -> Re
     session.reconcile()
     baseline = session.baseline()
     result.baseline = baseline
+    result.margin = cfg.min_margin
     result.trials = trial_counts(study)
     winner = winner_of(study)
     tested = _tested(session)
@@ -182,9 +185,23 @@ def finalize(session: Session, result: ResearchResult, progress: Progress) -> Re
             for key in (objective, test_obj):
                 if key in result.winner_metrics and key in result.reseed_metrics:
                     result.spread[key] = abs(result.winner_metrics[key] - result.reseed_metrics[key])
-        result.candidate, result.verdict = _verdict(cfg.min_margin, objective, session.kind.metrics.direction,
-                                                    baseline, result, session.kind.metrics.gate,
-                                                    session.kind.metrics.gate_label)
+        # Judged against its own configuration's baselines (its data, and for rerank its own first stage and
+        # depth), not the `train:` section's, and against the kind's rivals among the space's other choices.
+        spec = session.kind.metrics
+        variants = space_variants(cfg.space, session.loaded.train_raw, params, session.kind.config_model)
+        if session.kind.baseline_key(train_cfg) != session.kind.baseline_key(
+                session.kind.parse_config(session.loaded.train_raw)) or spec.rivals:
+            progress.note(f"[research] scoring the baselines trial #{winner.number} is judged against "
+                          f"({', '.join(label for _, label in spec.gates)})")
+        judged, judged_digest = session.judged_baseline(train_cfg, variants)
+        result.baseline = judged
+        if result.dataset_digest and judged_digest and judged_digest != result.dataset_digest:
+            result.candidate, result.verdict = False, (
+                f"no candidate: trial #{winner.number} was scored on dataset {result.dataset_digest[:12]}, its "
+                f"baselines on dataset {judged_digest[:12]}: the numbers are not comparable")
+        else:
+            result.candidate, result.verdict = _verdict(cfg.min_margin, objective, spec.direction_of(objective),
+                                                        judged, result, spec.gates)
         if note:
             progress.note(f"[research] {note}")
             result.verdict += f" ({note})"
@@ -198,29 +215,38 @@ def finalize(session: Session, result: ResearchResult, progress: Progress) -> Re
 
 
 def _verdict(margin: float, objective: str, direction: str, baseline: dict[str, float], result: ResearchResult,
-             gate: str = "base", gate_label: str = "the base model") -> tuple[bool, str]:
-    """Candidate only if the winner on dev and every seed on test beat `gate` (the base model, or the best baseline)
-    by the relative margin.
+             gates: Sequence[tuple[str, str]] = (("base", "the base model"),)) -> tuple[bool, str]:
+    """Candidate only if the winner on dev and every seed on test beat each of `gates` ((prefix, words): the base
+    model, or the kind's best baseline, and its rivals) by the relative margin, strictly (a tie is no win).
 
-    The margin means what it means in the promotion gate (lorafleet.tasks.beats): a share of the base's score.
+    The margin means what it means in the promotion gate (lorafleet.tasks.beats): a share of the reference's score.
     """
     test_obj = to_test(objective)
-    # `gate` names what to beat: the base model, or the best of the kind's baselines (MetricSpec.gate).
-    base_dev, base_test = baseline.get(f"{gate}_{objective}"), baseline.get(f"{gate}_{test_obj}")
-    if base_dev is None or base_test is None:
-        return False, "baseline metrics are missing, so the winner cannot be judged; no candidate"
     tests = [m[test_obj] for m in (result.winner_metrics, result.reseed_metrics) if test_obj in m]
+    if not tests:
+        return False, f"the winner has no {test_obj}, so it cannot be judged; no candidate"
     worst_test = min(tests) if direction == "maximize" else max(tests)
     dev = result.winner_metrics.get(objective, float("nan"))
     seeds = f"{len(tests)} seed(s)"
-    if beats(dev, base_dev, margin, direction) and beats(worst_test, base_test, margin, direction):  # type: ignore[arg-type]
-        gain = (worst_test / base_test - 1) * 100 if base_test else float("inf")
-        return True, (f"candidate: trial #{result.winner_trial} beats {gate_label} on test by {gain:+.1f}% "
-                      f"(worst of {seeds}: {test_obj}={worst_test:.4f} vs {gate} {base_test:.4f}; "
-                      f"margin {margin:.0%})")
-    return False, (f"no candidate: the winner (trial #{result.winner_trial}) does not beat {gate_label} by the "
-                   f"{margin:.0%} margin (dev {dev:.4f} vs {gate} {base_dev:.4f}; worst test of {seeds} "
-                   f"{worst_test:.4f} vs {gate} {base_test:.4f})")
+    beaten, missed = [], []
+    for prefix, label in gates:
+        ref_dev, ref_test = baseline.get(f"{prefix}_{objective}"), baseline.get(f"{prefix}_{test_obj}")
+        if ref_dev is None or ref_test is None:
+            return False, (f"baseline metrics are missing ({prefix}_{objective}, {prefix}_{test_obj}: {label}), "
+                           "so the winner cannot be judged; no candidate")
+        ok = (beats(dev, ref_dev, margin, direction)  # type: ignore[arg-type]
+              and beats(worst_test, ref_test, margin, direction))  # type: ignore[arg-type]
+        (beaten if ok else missed).append(f"{label} (dev {ref_dev:.4f}, test {ref_test:.4f})")
+    if not missed:
+        ref_test = max(baseline[f"{p}_{test_obj}"] for p, _ in gates) if direction == "maximize" else \
+            min(baseline[f"{p}_{test_obj}"] for p, _ in gates)
+        gain = (worst_test / ref_test - 1) * 100 if ref_test else float("inf")
+        return True, (f"candidate: trial #{result.winner_trial} beats {' and '.join(beaten)} on test by {gain:+.1f}% "
+                      f"(worst of {seeds}: {test_obj}={worst_test:.4f}, dev {dev:.4f}; margin {margin:.0%}, "
+                      "strictly)")
+    return False, (f"no candidate: the winner (trial #{result.winner_trial}, dev {dev:.4f}, worst test of {seeds} "
+                   f"{worst_test:.4f}) does not beat {' nor '.join(missed)} by the {margin:.0%} margin (a tie is no "
+                   "win)" + (f"; it does beat {' and '.join(beaten)}" if beaten else ""))
 
 
 def _write_summary(session: Session, result: ResearchResult) -> None:
@@ -239,6 +265,8 @@ def _write_summary(session: Session, result: ResearchResult) -> None:
     # the seed spread, trial counts) goes to the parent's table and the report.
     spec = session.kind.metrics
     wall = sum(float(t.user_attrs.get("wall_s") or 0.0) for t in session.study.get_trials(deepcopy=False))
+    if result.baseline != session.baseline():  # the winner's own baselines: the parent shows what it was judged by
+        tracker.log_headline(parent, result.baseline, spec)
     tracker.log_headline(parent, {**result.winner_metrics, "cost_wall_s": wall}, spec)
     tracker.log_table(parent, spec.rows(result.baseline) + spec.rows(result.winner_metrics, model="winner")
                       + spec.rows(result.reseed_metrics, model="winner, seed 2")

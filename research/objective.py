@@ -199,7 +199,7 @@ class TrialObjective:
         return value
 
     def _best(self, trial: optuna.Trial, value: float | None = None) -> tuple[int, float] | None:
-        sign = 1.0 if self.kind.metrics.direction == "maximize" else -1.0
+        sign = 1.0 if self.kind.metrics.direction_of(self.loaded.objective) == "maximize" else -1.0
         best: tuple[int, float] | None = None
         for t in trial.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
             if t.value is not None and (best is None or sign * t.value > sign * best[1]):

@@ -48,23 +48,47 @@ def _spec(result: ResearchResult) -> MetricSpec:
     return get_task_kind(result.task).metrics
 
 
+def _references(spec: MetricSpec) -> list[tuple[str, str]]:
+    """(prefix, column) of what the winner is compared with: the base model, the kind's baseline, the gate's best
+    baseline (where it is another) and each rival."""
+    refs = [("base", "base model")] + ([(spec.baseline, spec.baseline_label)] if spec.baseline else [])
+    if spec.gate not in {p for p, _ in refs}:
+        refs.append((spec.gate, "best baseline (gate)"))
+    return refs + [(r.prefix, r.column) for r in spec.rivals]
+
+
 def columns(result: ResearchResult) -> list[str]:
-    return ["metric", "base model", _spec(result).baseline_label, "winner", "winner, seed 2"]
+    return ["metric", *(col for _, col in _references(_spec(result))), "winner", "winner, seed 2"]
 
 
 def comparison_rows(result: ResearchResult) -> list[tuple[str, list[float | None]]]:
-    """Rows (metric, [base, the non-learned baseline, winner, winner seed 2]) for dev and test."""
+    """Rows (metric, [base, the non-learned baseline, the gate's and rivals' where the kind has them, winner,
+    winner seed 2]) for dev and test."""
     spec = _spec(result)
     names = spec.report or (spec.objective.removeprefix("dev_"),)
     rows = []
     for split in ("dev", "test"):
         for m in names:
             key = f"{split}_{m}"
-            vals = [result.baseline.get(f"base_{key}"), result.baseline.get(f"{spec.baseline}_{key}"),
-                    result.winner_metrics.get(key), result.reseed_metrics.get(key)]
+            vals = [result.baseline.get(f"{p}_{key}") for p, _ in _references(spec)]
+            vals += [result.winner_metrics.get(key), result.reseed_metrics.get(key)]
             if any(v is not None for v in vals):
                 rows.append((key, vals))
     return rows
+
+
+def gate_lines(result: ResearchResult) -> list[str]:
+    """What the verdict compared, in words: the headline on dev and test against each of the kind's gates, by
+    the margin, on the winner's own configuration's data; then the kind's notes on how numbers are measured."""
+    spec = _spec(result)
+    margin = "the margin" if result.margin is None else f"a relative margin of {result.margin:.1%}"
+    against = " and ".join(label for _, label in spec.gates)
+    lines = [f"- gate: `{result.objective}` on dev and the winner's worst test `{spec.headline}` over its seeds "
+             f"must beat {against} by {margin}, strictly (a tie is no win); the baselines are those of the "
+             "winner's own configuration, scored on its dataset"
+             + (f" `{result.dataset_digest[:12]}`" if result.dataset_digest else "")]
+    lines += [f"- {note}" for note in spec.notes]
+    return lines
 
 
 def _fmt(v: float | None) -> str:
@@ -76,7 +100,7 @@ def render_markdown(result: ResearchResult, trials: list[dict[str, Any]], resear
     lines = [f"# Research run `{result.study}`", "", f"**Verdict:** {result.verdict}", ""]
     lines += [f"- objective: `{result.objective}` (chosen on dev; test only for the winner and the baseline)",
               f"- MLflow parent run: `{result.parent_run_id}`", f"- Optuna storage: `{result.storage}`",
-              f"- trials: {json.dumps(result.trials)}", ""]
+              f"- trials: {json.dumps(result.trials)}", *gate_lines(result), ""]
     if result.winner_trial is not None:
         lines += [f"## Winner: trial #{result.winner_trial}", "", "```json",
                   json.dumps(result.winner_params, indent=2, default=str), "```", "",
@@ -84,7 +108,8 @@ def render_markdown(result: ResearchResult, trials: list[dict[str, Any]], resear
         if result.spread:
             lines += ["Seed spread (|seed 1 − seed 2|): " +
                       ", ".join(f"{k} {v:.4f}" for k, v in result.spread.items()), ""]
-    lines += ["## Baseline vs winner", "", "| " + " | ".join(columns(result)) + " |", "|---|---|---|---|---|"]
+    header = columns(result)
+    lines += ["## Baseline vs winner", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += [f"| {k} | " + " | ".join(_fmt(v) for v in vals) + " |" for k, vals in comparison_rows(result)]
     lines += ["", "## Trials", "", "| # | state | objective | epochs run | wall s | params | note |",
               "|---|---|---|---|---|---|---|"]
@@ -121,6 +146,8 @@ def print_summary(result: ResearchResult) -> None:
     for key, vals in comparison_rows(result):
         table.add_row(key, *(_fmt(v) for v in vals))
     console.print(table)
+    for line in gate_lines(result):
+        console.print(line)
     console.print(f"trials: {result.trials}")
     if result.winner_trial is not None:
         console.print(f"winner: trial #{result.winner_trial} {result.winner_params}")

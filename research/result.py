@@ -21,7 +21,10 @@ class ResearchResult:
     parent_run_id: str
     objective: str
     task: str = "retrieval"
+    # What the winner was judged against: the baselines of its own config (its data; rerank: its own first stage
+    # and depth) and the kind's rivals; before a winner, the `train:` section's. The bundle records these.
     baseline: dict[str, float] = field(default_factory=dict)
+    margin: float | None = None  # the relative margin it was judged by (research.min_margin); promotion gates at it
     winner_trial: int | None = None
     winner_params: dict[str, Any] = field(default_factory=dict)
     winner_config: dict[str, Any] = field(default_factory=dict)

@@ -7,9 +7,10 @@ Optuna storage (trials, the config snapshot, the parent run id, the baseline) an
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import optuna
@@ -26,6 +27,7 @@ from .study import (
     ATTR_BASELINE,
     ATTR_FINALIZE_CLAIM,
     ATTR_FINALIZED,
+    ATTR_JUDGED,
     ATTR_PARENT_RUN,
     counted_trials,
     fail_stale,
@@ -72,7 +74,8 @@ class Session:
             self.tracker = Tracker(self.name)
             self.storage = make_storage(self.url, self.cfg, on_stale=self._on_interrupted)
             self.study, self.created = open_study(self.name, self.storage, self.cfg, snapshot(loaded),
-                                                  must_exist=resume, direction=kind.metrics.direction)
+                                                  must_exist=resume,
+                                                  direction=kind.metrics.direction_of(loaded.objective))
         self.datasets = DatasetCache(kind)
         self.dir = settings.home() / "research" / self.name
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -147,6 +150,27 @@ class Session:
             self.tracker.set_tags(self.parent_run_id, {"lorafleet.dataset_digest": getattr(dataset, "digest", "")})
             self.tracker.log_dataset(self.parent_run_id, dataset, self.loaded.task)
         return metrics
+
+    def judged_baseline(self, cfg: Any, variants: Sequence[Any]) -> tuple[dict[str, float], str]:
+        """What `cfg` (the winner's config) is judged against, and the digest of the data it was measured on: the
+        kind's baselines of `cfg`'s own baseline key (the study's when that is the `train:` section's key; else
+        computed here, on `cfg`'s own dataset) and its rivals among `variants` (the space's other choices).
+
+        Stored in the study per key, so a resume or another process judges the same winner alike."""
+        key = self.kind.baseline_key(cfg)
+        attr = f"{ATTR_JUDGED}:{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+        stored = study_attr(self.study, attr)
+        if stored:
+            return {k: float(v) for k, v in stored["metrics"].items()}, str(stored.get("digest") or "")
+        dataset = self.datasets.get(cfg)
+        if self.kind.baseline_key(self.kind.parse_config(self.loaded.train_raw)) == key:
+            metrics = self.baseline()
+        else:
+            metrics = {k: float(v) for k, v in self.kind.baselines(cfg, dataset).items()}
+        metrics.update({k: float(v) for k, v in self.kind.rivals(cfg, dataset, variants).items()})
+        digest = str(getattr(dataset, "digest", "") or "")
+        self.study.set_user_attr(attr, {"key": key, "digest": digest, "metrics": metrics})
+        return metrics, digest
 
     # ---- trials -----------------------------------------------------------------------------
     def run_trials(self, n_trials: int, deadline: float, baseline: dict[str, float], progress: Progress) -> None:

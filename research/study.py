@@ -40,6 +40,7 @@ ATTR_FINGERPRINT = "space_fingerprint"
 ATTR_CONFIG = "config"
 ATTR_PARENT_RUN = "mlflow_parent_run_id"
 ATTR_BASELINE = "baseline"
+ATTR_JUDGED = "judged_baseline"  # `judged_baseline:<key hash>`: what a winner of that baseline key is judged against
 ATTR_FINALIZE_CLAIM = "finalize_claim"
 ATTR_FINALIZED = "finalized"
 ATTR_ADAPTER_ARTIFACT = "adapter_artifact"  # trial attr: the artifact path of its adapter in its MLflow run

@@ -7,8 +7,8 @@ JetStream work queue and awaits the workers' results on its own inbox; a generat
 task whose text may come back streamed. Modules: routes.py (HTTP side), gateway.py (request core and
 NATS lifecycle), parsing, completions (the OpenAI generative bodies and SSE), generation (prompt,
 parameters, the handle of one generate task), textstream (streamed text across redeliveries),
-prompts (a causal base's tokenizer and template), errors, auth, resolver, pending, workers (liveness
-from heartbeats), tokens, bases, metrics.
+prompts (a causal base's tokenizer and template), errors, auth, resolver, routekeys (which route key
+split a canary), pending, workers (liveness from heartbeats), tokens, bases, metrics.
 
 Public API:
     create_app(fleet, nats_url=None, gateway_id=None) -> Starlette     (app.state.gateway: the Gateway)

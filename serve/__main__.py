@@ -25,6 +25,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default=None, help="Address to listen on (default: the fleet's gateway.host).")
     p.add_argument("--port", type=int, default=None, help="Port to listen on (default: the fleet's gateway.port).")
     p.add_argument("--gateway-id", default=None, help="Stable id for this gateway's reply inbox (default: random).")
+    p.add_argument("--forwarded-allow-ips", default=None, metavar="IPS",
+                   help="Proxies whose X-Forwarded-For is believed for the client address (comma-separated "
+                   "addresses or networks, '*' for any; default: $FORWARDED_ALLOW_IPS, else 127.0.0.1). Behind a "
+                   "load balancer, name it: a canary splits by client, and without an API key or "
+                   "X-Lorafleet-Route-Key the client is its address.")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="Log level of the gateway (uvicorn itself logs warnings and errors only).")
     add_client_arguments(p)
@@ -54,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     from lorafleet.serve.routes import run_gateway
 
     run_gateway(fleet, nats_url=args.nats_url, host=args.host, port=args.port, gateway_id=args.gateway_id,
-                log_level="warning" if args.log_level in ("debug", "info") else args.log_level, client=client)
+                log_level="warning" if args.log_level in ("debug", "info") else args.log_level, client=client,
+                forwarded_allow_ips=args.forwarded_allow_ips)
     return 0
 
 

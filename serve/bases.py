@@ -3,7 +3,9 @@ its tokenizer, and its vector size (embed) or its chat template and context (gen
 
 Loaded once per base, off the request path and off the event loop (tokenizer files are read from
 disk), by `load_bases`, which the gateway runs in a thread at start. What a base does is what its
-runtime plugin declares (`capabilities`, read through the core plugin door).
+runtime plugin declares (`capabilities`, read through the core plugin door). A score base whose checkpoint has no
+score head (lorafleet/checkpoints.py: the loader draws one, which ranks at chance) is a `rerank-base`: only the
+specialists on it answer; the bare name is refused (serve/rerank.py).
 """
 
 from __future__ import annotations
@@ -13,11 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lorafleet import plugins
+from lorafleet.checkpoints import head_in_checkpoint
 from lorafleet.config import BaseModelSpec, FleetConfig
 from lorafleet.models import resolve_model_source
 from lorafleet.serve.prompts import CausalPrompts
 from lorafleet.serve.tokens import TokenCounter
 from lorafleet.wire import EMBED, GENERATE, SCORE
+
+RERANK_BASE = "rerank-base"  # /v1/models kind of a score base whose head was drawn at load
 
 
 def native_dim(source: str) -> int | None:
@@ -43,11 +48,32 @@ class BaseInfo:
     capability: str = EMBED
     prompts: CausalPrompts | None = None  # generate
     max_length: int | None = None  # score: the longest (query, document) pair the model reads; longer is truncated
+    # score: whether the checkpoint ships its score head (False: drawn at load, the bare base is refused; None: its
+    # weights are not readable here, e.g. a hub id not in the cache: served, and the worker decides)
+    trained_head: bool | None = None
+
+    @property
+    def untrained(self) -> bool:
+        """A score base whose head was drawn at load: served only for the specialists that attach to it."""
+        return self.capability == SCORE and self.trained_head is False
 
     @property
     def kind(self) -> str:
-        """What /v1/models says a model of this base is."""
+        """What /v1/models says the bare base is."""
+        if self.untrained:
+            return RERANK_BASE
         return {GENERATE: "causal-lm", SCORE: "reranker"}.get(self.capability, "embedding")
+
+    def kind_of(self, adapter: str | None) -> str:
+        """What /v1/models says a served name on this base is: a specialist on a rerank base is a reranker (its
+        head travels in its adapter)."""
+        return "reranker" if adapter is not None and self.capability == SCORE else self.kind
+
+    def model_fields(self, adapter: str | None) -> dict[str, bool | None]:
+        """Extra /v1/models fields of a served name on this base: `trained_head` for rerankers."""
+        if self.capability != SCORE:
+            return {}
+        return {"trained_head": True if adapter is not None else self.trained_head}
 
 
 def capability_of(spec: BaseModelSpec) -> str:
@@ -79,7 +105,8 @@ def load_base(spec: BaseModelSpec) -> BaseInfo:
     if capability == GENERATE:
         return BaseInfo(None, None, GENERATE, CausalPrompts(spec.source, spec.options, spec.revision))
     if capability == SCORE:
-        return BaseInfo(TokenCounter.for_source(spec.source), None, SCORE, max_length=pair_max_length(spec))
+        return BaseInfo(TokenCounter.for_source(spec.source), None, SCORE, max_length=pair_max_length(spec),
+                        trained_head=head_in_checkpoint(spec.source, spec.revision))
     return BaseInfo(TokenCounter.for_source(spec.source), native_dim(spec.source))
 
 

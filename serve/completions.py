@@ -224,7 +224,13 @@ def sse(obj: Any) -> bytes:
 DONE = b"data: [DONE]\n\n"
 
 
-def error_event(code: str, message: str) -> bytes:
-    """An error inside a stream (the status line has gone out already); OpenAI's clients raise on it."""
-    return sse({"error": {"code": code, "message": message, "type": "server_error" if code != "deadline_exceeded"
-                          else "timeout"}})
+_EVENT_TYPES = {"deadline_exceeded": "timeout", "invalid_request": "invalid_request_error"}
+
+
+def error_event(code: str, message: str, request_id: str | None = None) -> bytes:
+    """An error inside a stream (the status line has gone out already); OpenAI's clients raise on it. Like an error
+    body, it names the request's id (the gateway's log has the details under it), never a worker's text."""
+    error = {"code": code, "message": message, "type": _EVENT_TYPES.get(code, "server_error")}
+    if request_id is not None:
+        error["request_id"] = request_id
+    return sse({"error": error})

@@ -34,7 +34,7 @@ from lorafleet.config import FleetConfig
 from lorafleet.fleet_state import FleetEntry, FleetWatcher, merge_models
 from lorafleet.nats_auth import explain_connect_error, gateway_inbox_prefix
 from lorafleet.nats_client import RECONNECT_OPTIONS, ClientSettings, server_urls
-from lorafleet.queue import ensure_fleet_streams
+from lorafleet.queue import ensure_fleet_streams, stream_exists
 from lorafleet.serve.admission import fits, judge
 from lorafleet.serve.auth import ApiKeys, load_api_keys
 from lorafleet.serve.bases import BaseInfo, load_bases
@@ -82,7 +82,10 @@ class Gateway:
         self.created = int(time.time())
         self.nc: NatsClient | None = None
         self.js: JetStreamContext | None = None
-        self.monitor = QueueMonitor(fleet, self.resolver.bases, self.pending.outstanding, self._rewatch_fleet_state)
+        # Streams are admin's (docs/security.md): with a credential this gateway waits for them; without one the
+        # server is open to every client, and it creates what is missing itself.
+        self.monitor = QueueMonitor(fleet, self.resolver.bases, self.pending.outstanding, self._rewatch_fleet_state,
+                                    create_missing=self.client.creds is None)
         self.metrics.watch_queue(self.resolver.bases, self.monitor.backlog, self.workers.service_rate)
         self.metrics.watch_lag(self.resolver.bases, self.monitor.lag)
         self.shadow = ShadowMirror(self)  # copies of a shadowed name's requests to its candidate (issue 25)
@@ -178,7 +181,7 @@ class Gateway:
             await self._fleet_watch.stop()
             self._fleet_watch = None
         if self.js is not None:
-            await self._watch_fleet_state(self.js)  # creates the bucket if missing (a gateway may)
+            await self._watch_fleet_state(self.js)  # admin's keeper makes the bucket before the streams
 
     async def _watch_fleet_state(self, js: JetStreamContext) -> None:
         """Promoted bundles (`lorafleet promote`) arrive through the fleet KV bucket; routes swap live."""
@@ -196,10 +199,19 @@ class Gateway:
             log.warning("cannot watch the fleet state bucket: %r; serving the fleet file's models only", exc)
 
     async def _ensure_streams(self) -> None:
-        """Create the streams if missing (a gateway may create, never reconfigure: that is `lorafleet up`'s)."""
+        """Until the streams exist: created by admin (`lorafleet up`, its layout keeper), or here without auth."""
+        waiting_logged = False
         while self.js is not None:
             try:
-                await ensure_fleet_streams(self.js, self.fleet, update=False)
+                if self.monitor.create_missing:
+                    await ensure_fleet_streams(self.js, self.fleet, update=False)
+                elif not await stream_exists(self.js, self.fleet.queue.stream):
+                    if not waiting_logged:
+                        log.warning("waiting for stream %s (the admin credential creates it: `lorafleet up`, or "
+                                    "`lorafleet layout` next to this gateway)", self.fleet.queue.stream)
+                        waiting_logged = True
+                    await asyncio.sleep(0.5)
+                    continue
                 self.monitor.stream_exists = True
                 return
             except Exception as exc:  # JetStream off, server restarting, …: keep trying, readyz says so
@@ -367,7 +379,7 @@ class Gateway:
         if value is TIMEOUT:
             raise deadline_error(deadline_s, pending.filled, n)
         assert isinstance(value, wire.Result) and value.error_code is not None
-        raise worker_error(value.error_code, value.error_message, value.index, self.cfg.retry_after_s)
+        raise worker_error(value, request_id, self.cfg.retry_after_s)
 
     def require(self, route: Route, capability: str) -> BaseInfo:
         """400 naming the right route when the model does not do what this route asks."""

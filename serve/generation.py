@@ -111,7 +111,7 @@ class Generation:
                            "the answer was complete; send a longer X-Lorafleet-Deadline-Ms, a smaller max_tokens, or "
                            "retry when the queue is shorter")
         assert isinstance(value, Result) and value.error_code is not None
-        raise worker_error(value.error_code, value.error_message, value.index, self.gateway.cfg.retry_after_s)
+        raise worker_error(value, self.request_id, self.gateway.cfg.retry_after_s)
 
     def _ended(self, future: Any) -> None:
         """The pending slot resolved: a deadline or a worker's error ends the stream too (a final already did)."""

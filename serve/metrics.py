@@ -8,6 +8,7 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from lorafleet.heartbeats import STATS_BUCKETS, GatewayStats, VersionCounts, bucket_index
+from lorafleet.serve.routekeys import RouteKeyTally
 from lorafleet.wire import consumer_name
 
 # Names, for dashboards and the report.
@@ -86,6 +87,8 @@ class GatewayMetrics:
         # The same per-version figures as plain counters, published over NATS for `promote --watch`, which sums
         # them over all gateways: [requests, errors, latency bucket counts...] per (model, version).
         self._version_counts: dict[tuple[str, str], list[int]] = {}
+        # Requests a canary split decided, per route key (a digest): published with them, read by `status`.
+        self.route_keys = RouteKeyTally()
 
     def request_done(self, route: str, model: str, code: int, seconds: float, version: str | None = None,
                      tokens: int = 0, empty: bool = False) -> None:
@@ -126,7 +129,8 @@ class GatewayMetrics:
         if not self._version_counts:
             return None
         return GatewayStats(gateway_id, {k: VersionCounts(c[0], c[1], tuple(c[2:-1]), c[-1])
-                                         for k, c in list(self._version_counts.items())})
+                                         for k, c in list(self._version_counts.items())},
+                            route_keys=self.route_keys.snapshot())
 
     def result_received(self, base: str, queue_ms: float, batch_size: int) -> None:
         children = self._result_children.get(base)

@@ -1,9 +1,12 @@
 """What the gateway knows of the queue: the work stream and each base's consumer, read every `monitor_s`.
 
 Three uses: admission control (the backlog per base), readiness (the stream and every base's
-consumer exist, and someone pulls from a consumer that has tasks waiting) and self-healing (a
-stream that vanished is created again; a gateway may create streams, never reconfigure or delete
-them). A publish that finds no stream asks for a check at once (`trigger`).
+consumer exist, and someone pulls from a consumer that has tasks waiting) and healing (a stream
+that vanished comes back: admin's layout keeper creates it, lorafleet/layout.py; a gateway with a
+credential may not create streams, so it waits, and only on a server without authentication does it
+create a missing one itself, `create_missing`). A stream seen with a new creation time was made again:
+`on_recreated` runs (the fleet bucket may have gone with it). A publish that finds no stream asks for
+a check at once (`trigger`).
 
 The backlog of a base is what its consumer reports (waiting + delivered, not yet acked) at the
 last read, with this gateway's own share replaced by its exact count now, so the estimate follows
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lorafleet.config import FleetConfig
-from lorafleet.queue import ConsumerState, consumer_state, ensure_fleet_streams, stream_exists
+from lorafleet.queue import ConsumerState, consumer_state, ensure_fleet_streams, stream_created
 
 log = logging.getLogger("lorafleet.serve")
 
@@ -39,12 +42,15 @@ class BaseQueue:
 
 class QueueMonitor:
     def __init__(self, fleet: FleetConfig, bases: tuple[str, ...], outstanding: Callable[[str], int],
-                 on_recreated: Callable[[], Awaitable[None]] | None = None) -> None:
+                 on_recreated: Callable[[], Awaitable[None]] | None = None, *, create_missing: bool = False) -> None:
         self.fleet = fleet
         self.bases = bases
         self.outstanding = outstanding  # this gateway's own unanswered tasks per base (PendingTable)
         self.on_recreated = on_recreated  # after the streams were created again (the fleet bucket may be gone too)
+        self.create_missing = create_missing  # only without authentication (see the module's docstring)
         self.stream_exists = False
+        self._created: str | None = None  # the work stream's creation time at the last read that found it
+        self._missing_logged = False
         self.read_ok = False  # the last read succeeded (NATS answered)
         self.queues: dict[str, BaseQueue] = {b: BaseQueue(ConsumerState(False), 0) for b in bases}
         self.recreated = 0
@@ -92,18 +98,25 @@ class QueueMonitor:
             self._trigger.clear()
 
     async def read(self, js: Any) -> None:
-        """One read of the stream and every consumer; creates the streams when the work stream is missing."""
+        """One read of the stream and every consumer (and, with `create_missing`, the streams when missing)."""
         queue = self.fleet.queue
-        exists = await stream_exists(js, queue.stream)
-        if not exists:
-            if self.stream_exists or self.recreated == 0:
-                log.warning("work stream %s is missing; creating it", queue.stream)
-            if await ensure_fleet_streams(js, self.fleet, update=False):
-                self.recreated += 1
-                log.info("work stream %s created; workers re-create their consumers", queue.stream)
-                if self.on_recreated is not None:
-                    await self.on_recreated()
-            exists = await stream_exists(js, queue.stream)
+        created = await stream_created(js, queue.stream)
+        if created is None:
+            if not self._missing_logged:  # once per loss, not at every read while it lasts
+                self._missing_logged = True
+                log.warning("work stream %s is missing; %s", queue.stream, "creating it" if self.create_missing
+                            else "waiting for it (the admin credential's layout keeper creates it)")
+            if self.create_missing:
+                await ensure_fleet_streams(js, self.fleet, update=False)
+                created = await stream_created(js, queue.stream)
+        exists = created is not None
+        if exists and self._created is not None and created != self._created:
+            self.recreated += 1
+            log.info("work stream %s is back; workers re-create their consumers", queue.stream)
+            if self.on_recreated is not None:
+                await self.on_recreated()
+        if exists:
+            self._created, self._missing_logged = created, False
         self.stream_exists = exists
         states = await asyncio.gather(*(consumer_state(js, queue, b) for b in self.bases)) if exists else \
             [ConsumerState(False)] * len(self.bases)

@@ -12,6 +12,10 @@ multi-input embedding (admitted whole, answered in full or failed explicitly). A
 request is thus spread over many tasks and workers instead of holding one worker for all of it, and a
 few small requests' chunks still fill one batch. Pairs longer than the model reads (`BaseInfo.max_length`)
 are truncated by the worker; the response lists them (`truncated`, and a warning in `meta`).
+
+A rerank base whose checkpoint has no score head (`BaseInfo.untrained`: the loader drew one, it ranks at chance)
+is served only for the specialists that attach to it: a request naming the base itself is answered 409
+`untrained_head`, with what to do (train and promote a rerank specialist), before anything is published.
 """
 
 from __future__ import annotations
@@ -29,10 +33,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from lorafleet import wire
+from lorafleet.checkpoints import untrained_head_message
 from lorafleet.serve.errors import ApiError, bad_request, internal_error
 from lorafleet.serve.gateway import Gateway
 from lorafleet.serve.parsing import deadline_seconds, load_json_object, msgpack_reason
 from lorafleet.serve.resolver import Route
+from lorafleet.serve.routekeys import routed_by
 
 log = logging.getLogger("lorafleet.serve")
 
@@ -156,6 +162,8 @@ class Scored:
 async def score(gw: Gateway, route: Route, query: str, documents: list[str], deadline_s: float) -> Scored:
     """Count, chunk, publish and await: the relevance of each document to `query`, in input order."""
     info = gw.require(route, wire.SCORE)
+    if route.adapter is None and info.untrained:
+        raise untrained_head(route.name)
     counter = gw.tokens[route.base]
     texts = [query, *documents]
     if sum(len(t) for t in texts) <= _INLINE_CHARS:
@@ -192,12 +200,23 @@ def ranked(scores: np.ndarray, top_n: int | None) -> list[int]:
     return order if top_n is None else order[:top_n]
 
 
+def untrained_head(name: str) -> ApiError:
+    """409: `name` is a rerank base whose head was drawn at load; the message says what to do."""
+    return ApiError(409, "untrained_head", untrained_head_message(name))
+
+
 def only_reranker(gw: Gateway) -> str:
-    """The served name a TEI request (which names no model) means: the one reranker served, else 400."""
-    names = [r.name for r in gw.resolver.routes()
-             if (info := gw.bases.get(r.base)) is not None and info.capability == wire.SCORE]
+    """The served name a TEI request (which names no model) means: the one reranker served (a rerank base whose
+    head was drawn at load does not count), else 409 when only such bases are served, else 400."""
+    names: list[str] = []
+    untrained: list[str] = []
+    for r in gw.resolver.routes():
+        if (info := gw.bases.get(r.base)) is not None and info.capability == wire.SCORE:
+            (untrained if r.adapter is None and info.untrained else names).append(r.name)
     if len(names) == 1:
         return names[0]
+    if not names and untrained:
+        raise untrained_head(untrained[0])
     raise bad_request("missing_model", "this gateway serves " + (f"{len(names)} rerankers ({', '.join(names)}); "
                       "name one in 'model'" if names else "no reranker"))
 
@@ -225,12 +244,14 @@ class RerankRoutes:
 
         t0 = time.perf_counter()
         model, version = "_invalid", None
+        keyed: dict[str, str] = {}  # which route key a canary's split used (issue 38)
         try:
             self.gw.keys.check(request.headers.get("authorization"))
             req = parse_rerank(await read_body(request, self.gw.cfg.max_body_bytes),
                                self.gw.cfg.max_rerank_documents, tei_allowed)
-            route = self.gw.resolve(req.model if req.model is not None else only_reranker(self.gw),
-                                    self.gw.route_key(request))  # a canary's sticky split (issue 25)
+            name, key = req.model if req.model is not None else only_reranker(self.gw), self.gw.route_key(request)
+            route = self.gw.resolve(name, key)  # a canary's sticky split (issue 25)
+            keyed = routed_by(self.gw.resolver, self.gw.metrics.route_keys, name, key)
             model, version = route.name, route.version
             deadline_s = self._deadline(request)
             out = await score(self.gw, route, req.query, req.documents, deadline_s)
@@ -256,6 +277,7 @@ class RerankRoutes:
             response = exc.response()
         except Exception:  # a bug, not the client's fault: the JSON error shape, a request id, counted
             response = internal_error(log, request.url.path)
+        response.headers.update(keyed)
         self.gw.metrics.request_done("rerank", model, response.status_code, time.perf_counter() - t0, version)
         return response
 
@@ -265,9 +287,12 @@ class RerankRoutes:
 
         t0 = time.perf_counter()
         model, version = "_invalid", None
+        keyed: dict[str, str] = {}
         try:
             self.gw.keys.check(request.headers.get("authorization"))
-            route = self.gw.resolve(request.path_params["model"], self.gw.route_key(request))
+            key = self.gw.route_key(request)
+            route = self.gw.resolve(request.path_params["model"], key)
+            keyed = routed_by(self.gw.resolver, self.gw.metrics.route_keys, request.path_params["model"], key)
             model, version = route.name, route.version
             self.gw.require(route, wire.SCORE)
             req = parse_score(await read_body(request, self.gw.cfg.max_body_bytes), self.gw.cfg.max_rerank_documents)
@@ -279,6 +304,7 @@ class RerankRoutes:
             response = exc.response()
         except Exception:
             response = internal_error(log, request.url.path)
+        response.headers.update(keyed)
         self.gw.metrics.request_done("score", model, response.status_code, time.perf_counter() - t0, version)
         return response
 

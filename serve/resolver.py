@@ -177,6 +177,10 @@ class Resolver:
     def splits(self) -> dict[str, Split]:
         return dict(self._table[2])
 
+    def split_of(self, name: str) -> Split | None:
+        """The canary split of a served name (None: none; a pinned NAME@N is never split)."""
+        return self._table[2].get(name)
+
     def pinned(self) -> dict[str, Pinned]:
         return dict(self._table[1])
 

@@ -6,7 +6,8 @@ request core (serve/gateway.py) and shape its answer; every error is the JSON `{
 
 Generative routes answer with one JSON body or, with `stream: true`, with server-sent events: the
 role, text deltas as they arrive, the finish reason, usage (with `stream_options.include_usage`),
-`data: [DONE]`; an error after the first event is an explicit `data: {"error": …}` event. A client
+`data: [DONE]`; an error after the first event is an explicit `data: {"error": …}` event (a code and the
+request's id, as in an error body: never a worker's text; serve/errors.py). A client
 that disconnects (streaming or not) makes the gateway forget the request, and the worker stops
 generating at its next check-in.
 """
@@ -32,17 +33,19 @@ from lorafleet import wire
 from lorafleet.config import FleetConfig
 from lorafleet.nats_client import ClientSettings
 from lorafleet.serve.completions import CHAT, COMPLETION, DONE, Shaper, error_event, parse_generation
-from lorafleet.serve.errors import ApiError, bad_request, error_response, internal_error
+from lorafleet.serve.errors import REQUEST_ID_HEADER, ApiError, bad_request, error_response, internal_error
 from lorafleet.serve.gateway import Gateway
 from lorafleet.serve.generation import Generation
 from lorafleet.serve.metrics import CONTENT_TYPE
 from lorafleet.serve.parsing import deadline_seconds, parse_embeddings, parse_encode
 from lorafleet.serve.rerank import RerankRoutes
+from lorafleet.serve.routekeys import routed_by
 
 log = logging.getLogger("lorafleet.serve")
 
 DEADLINE_HEADER = "x-lorafleet-deadline-ms"
 MSGPACK = "application/msgpack"
+_STREAM_ERROR_STATUS = {"deadline_exceeded": 504, "invalid_request": 400}  # what an error event counts as
 
 
 class Routes:
@@ -54,10 +57,13 @@ class Routes:
     async def embeddings(self, request: Request) -> Response:
         t0 = time.perf_counter()
         model, version, tokens = "_invalid", None, 0  # bounded label cardinality: only served names or this
+        keyed: dict[str, str] = {}  # which route key a canary's split used (issue 38)
         try:
             self.gw.keys.check(request.headers.get("authorization"))
             req = parse_embeddings(await read_body(request, self.gw.cfg.max_body_bytes), self.gw.cfg.max_inputs)
-            route = self.gw.resolve(req.model, self.gw.route_key(request))  # a canary's sticky split (issue 25)
+            key = self.gw.route_key(request)
+            route = self.gw.resolve(req.model, key)  # a canary's sticky split (issue 25)
+            keyed = self._keyed(req.model, key)
             model, version = route.name, route.version
             self.gw.require(route, wire.EMBED)
             self.gw.check_dimensions(route, req.dimensions)
@@ -82,15 +88,19 @@ class Routes:
             response = exc.response()
         except Exception:  # a bug, not the client's fault: the JSON error shape, a request id, counted
             response = internal_error(log, request.url.path)
+        response.headers.update(keyed)
         self._observe("embeddings", model, response.status_code, t0, version, tokens)
         return response
 
     async def encode(self, request: Request) -> Response:
         t0 = time.perf_counter()
         model, version, tokens = "_invalid", None, 0
+        keyed: dict[str, str] = {}
         try:
             self.gw.keys.check(request.headers.get("authorization"))
-            route = self.gw.resolve(request.path_params["model"], self.gw.route_key(request))
+            key = self.gw.route_key(request)
+            route = self.gw.resolve(request.path_params["model"], key)
+            keyed = self._keyed(request.path_params["model"], key)
             model, version = route.name, route.version
             self.gw.require(route, wire.EMBED)
             req = parse_encode(await read_body(request, self.gw.cfg.max_body_bytes), self.gw.cfg.max_inputs)
@@ -103,6 +113,7 @@ class Routes:
             response = exc.response()
         except Exception:  # a bug, not the client's fault: the JSON error shape, a request id, counted
             response = internal_error(log, request.url.path)
+        response.headers.update(keyed)
         self._observe("encode", model, response.status_code, t0, version, tokens)
         return response
 
@@ -116,19 +127,23 @@ class Routes:
         t0 = time.perf_counter()
         name = "chat" if kind == CHAT else "completions"
         model, version, tokens, empty = "_invalid", None, 0, False
+        keyed: dict[str, str] = {}
         try:
             self.gw.keys.check(request.headers.get("authorization"))
             body = parse_generation(await read_body(request, self.gw.cfg.max_body_bytes), kind)  # type: ignore[arg-type]
-            route = self.gw.resolve(body.model, self.gw.route_key(request))
+            key = self.gw.route_key(request)
+            route = self.gw.resolve(body.model, key)
+            keyed = self._keyed(body.model, key)
             model, version = route.name, route.version
             deadline_s = deadline_seconds(request.headers.get(DEADLINE_HEADER), None,
                                           self.gw.cfg.default_deadline_s, self.gw.cfg.max_deadline_s)
             prepared = await self.gw.prepare(route, body)
             generation = await self.gw.generate(route, prepared, deadline_s)
             shaper = Shaper(body.kind, route.model, generation.request_id)  # the exact version: NAME@N
+            ids = {REQUEST_ID_HEADER: generation.request_id, **keyed}  # the id its task, logs and errors carry
             if body.stream:  # counted when the stream ends
                 return StreamingResponse(self._events(generation, shaper, body.include_usage, model, t0, version),
-                                         media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                                         media_type="text/event-stream", headers={"Cache-Control": "no-cache", **ids})
             try:
                 result = await _unless_disconnected(request, generation)
             finally:
@@ -138,7 +153,7 @@ class Routes:
             else:
                 tokens = result.prompt_tokens + result.completion_tokens
                 response = Response(shaper.whole(result.text or "", result.finish_reason, result.prompt_tokens,
-                                                 result.completion_tokens), media_type="application/json")
+                                                 result.completion_tokens), media_type="application/json", headers=ids)
                 empty = _empty_or_truncated(result)
                 # a shadowed name: a copy to the candidate, after this answer, compared and discarded (issue 25)
                 self.gw.shadow.generated(route, body, result.text or "", time.perf_counter() - t0, deadline_s)
@@ -146,6 +161,7 @@ class Routes:
             response = exc.response()
         except Exception:  # a bug, not the client's fault: the JSON error shape, a request id, counted
             response = internal_error(log, request.url.path)
+        response.headers.update(keyed)
         self._observe(name, model, response.status_code, t0, version, tokens, empty)
         return response
 
@@ -174,8 +190,8 @@ class Routes:
                     yield DONE
                     return
                 else:
-                    code = 504 if event.code == "deadline_exceeded" else 500
-                    yield error_event(event.code, event.message)
+                    code = _STREAM_ERROR_STATUS.get(event.code, 500)
+                    yield error_event(event.code, event.message, generation.request_id)
                     return
         except BaseException:
             code = 499  # the client went away mid-stream
@@ -184,6 +200,9 @@ class Routes:
             generation.close()
             self._observe("chat" if shaper.kind == CHAT else "completions", model, code, t0, version, tokens,
                           code == 200 and not said)
+
+    def _keyed(self, name: str, key: str | None) -> dict[str, str]:
+        return routed_by(self.gw.resolver, self.gw.metrics.route_keys, name, key)
 
     def _observe(self, route: str, model: str, code: int, t0: float, version: str | None = None,
                  tokens: int = 0, empty: bool = False) -> None:
@@ -205,8 +224,8 @@ class Routes:
         def row(r: Any, ident: str, **extra: Any) -> dict[str, Any]:
             info = self.gw.bases.get(r.base)
             return {"id": ident, "object": "model", "created": self.gw.created, "owned_by": "lorafleet",
-                    "root": r.base, "adapter": r.adapter, "kind": info.kind if info else None,
-                    "capability": info.capability if info else None,
+                    "root": r.base, "adapter": r.adapter, "kind": info.kind_of(r.adapter) if info else None,
+                    "capability": info.capability if info else None, **(info.model_fields(r.adapter) if info else {}),
                     **({"context_length": info.prompts.context} if info and info.prompts else {}), **extra}
 
         data = []
@@ -327,17 +346,22 @@ def create_app(fleet: FleetConfig, *, nats_url: str | None = None, gateway_id: s
     return app
 
 
-def uvicorn_config(app: Starlette, host: str, port: int, log_level: str = "warning") -> Any:
+def uvicorn_config(app: Starlette, host: str, port: int, log_level: str = "warning",
+                   forwarded_allow_ips: str | None = None) -> Any:
+    """`forwarded_allow_ips`: the proxies whose X-Forwarded-For uvicorn believes (comma-separated addresses or
+    networks, "*" for any); None: $FORWARDED_ALLOW_IPS, else 127.0.0.1 only (uvicorn's default). The client address
+    is a canary's route key of last resort: behind an untrusted proxy every client is the proxy."""
     import uvicorn
 
     # One process, uvloop + httptools, no access log: every microsecond on the request path counts.
     return uvicorn.Config(app, host=host, port=port, loop="uvloop", http="httptools", lifespan="on",
-                          access_log=False, log_level=log_level, server_header=False, workers=1)
+                          access_log=False, log_level=log_level, server_header=False, workers=1,
+                          proxy_headers=True, forwarded_allow_ips=forwarded_allow_ips)
 
 
 def run_gateway(fleet: FleetConfig, *, nats_url: str | None = None, host: str | None = None,
                 port: int | None = None, gateway_id: str | None = None, log_level: str = "warning",
-                client: ClientSettings | None = None) -> None:
+                client: ClientSettings | None = None, forwarded_allow_ips: str | None = None) -> None:
     """Serve the gateway until SIGINT/SIGTERM (blocking)."""
     import uvicorn
 
@@ -346,4 +370,4 @@ def run_gateway(fleet: FleetConfig, *, nats_url: str | None = None, host: str | 
     app = create_app(fleet, nats_url=nats_url, gateway_id=gateway_id, client=client)
     gw: Gateway = app.state.gateway
     log.info("gateway %s on http://%s:%d, NATS %s", gw.gateway_id, host, port, gw.nats_url)
-    uvicorn.Server(uvicorn_config(app, host, port, log_level)).run()
+    uvicorn.Server(uvicorn_config(app, host, port, log_level, forwarded_allow_ips)).run()

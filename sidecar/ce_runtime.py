@@ -3,7 +3,10 @@
 A cross-encoder reads a (query, document) pair together and answers one relevance float: what
 /v1/rerank serves. The base is loaded with one output (`num_labels=1`), so a plain BERT checkpoint
 (the packaged MiniLM) becomes a cross-encoder with a fresh classification head. That head is drawn
-from a fixed seed (`FRESH_HEAD_SEED`): every worker of the base, on any host, scores alike.
+from a fixed seed (`FRESH_HEAD_SEED`): every worker of the base, on any host, scores alike. Such a head ranks at
+chance, so the base serves only its adapters (`trained_head` False: the worker refuses its bare score tasks, the
+gateway answers 409; lorafleet/checkpoints.py decides from the checkpoint's weights); a checkpoint that ships its
+head (a hub cross-encoder) serves by itself too.
 
 Adapters are peft LoRAs of task type SEQ_CLS trained with `modules_to_save=["classifier"]`: the
 head travels with the adapter (peft wraps it, one copy per adapter), so switching adapters switches
@@ -29,6 +32,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from lorafleet.adapters import AdapterUnavailable
+from lorafleet.checkpoints import head_in_checkpoint
 from lorafleet.config import BaseModelSpec
 from lorafleet.models import resolve_model_source
 from lorafleet.sidecar.runtime import Runtime, check_row_adapters
@@ -79,13 +83,17 @@ class CrossEncoderRuntime(Runtime):
         self.device = device
         source = resolve_model_source(spec.source)
         self.model = load_cross_encoder(source, device, spec.revision, spec.max_seq_length)
+        # False: the head was drawn here (the checkpoint has none), so the bare base may not score by itself; None
+        # (weights not readable, e.g. a format this cannot list) serves as before.
+        self.trained_head: bool | None = head_in_checkpoint(source, spec.revision)
         self.batch_size = int(spec.options.get("batch_size", 32)) if spec.options else 32
         self._adapters: list[str] = []
         # The adapter set on the model; None: adapters disabled (the bare base); _UNKNOWN: set it again.
         self._active: str | object | None = _UNKNOWN
         self._modules: list[Any] | None = None  # the modules that take adapter_names; None: find them again
-        log.info("loaded cross-encoder base %s from %s on %s (max_length %s)", spec.name, source, device,
-                 self.max_length)
+        log.info("loaded cross-encoder base %s from %s on %s (max_length %s)%s", spec.name, source, device,
+                 self.max_length, "; its score head was drawn (the checkpoint has none): only adapters with their "
+                 "own head answer" if self.trained_head is False else "")
 
     @property
     def max_length(self) -> int | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import os
@@ -201,7 +202,7 @@ class NatsSide:
         self.nc = await self._connect()
         self.js = self.nc.jetstream()
         self._keeper = ConsumerKeeper(self.js, self.fleet.queue, self.bases)
-        setup = asyncio.ensure_future(self._keeper.setup())  # waits for the stream: a gateway creates it
+        setup = asyncio.ensure_future(self._keeper.setup())  # waits for the stream: admin creates it
         stop = asyncio.ensure_future(self._stop.wait())
         await asyncio.wait([setup, stop], return_when=asyncio.FIRST_COMPLETED)
         stop.cancel()
@@ -220,6 +221,9 @@ class NatsSide:
             try:
                 self._fleet_watch = FleetWatcher(self.js, self.on_fleet_state, on_staged=self._staged)
                 await self._fleet_watch.start()
+                # The initial table before `connected`: a base's `auto` precision follows its served models' verdicts.
+                with contextlib.suppress(TimeoutError):
+                    await self._fleet_watch.wait_initialised()
             except Exception as exc:
                 log.warning("cannot watch the fleet state bucket: %r; using the fleet file only", exc)
         self.connected.set()

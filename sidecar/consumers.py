@@ -1,9 +1,9 @@
 """Keeping this worker's durable consumers in place: self-healing when the stream or a consumer vanishes.
 
-A worker cannot create the work stream (docs/security.md): it waits for it (a gateway re-creates
-a lost one, `lorafleet up` creates it), then creates or re-creates the durable consumer of each
-of its bases. The pull subscriptions stay valid across that: a fetch names the consumer, so it
-works again as soon as the consumer exists under the same name.
+A worker cannot create the work stream (docs/security.md): it waits for it (`lorafleet up` creates
+it with the admin credential, whose layout keeper creates a lost one again), then creates or
+re-creates the durable consumer of each of its bases. The pull subscriptions stay valid across
+that: a fetch names the consumer, so it works again as soon as the consumer exists under the same name.
 
 A consumer is checked when a pull fails (a missing consumer answers a fetch with 503 at once)
 and every `check_s` otherwise. `healthy(base)` says whether pulls for the base can work; the
@@ -99,7 +99,7 @@ class ConsumerKeeper:
                     self._healthy[base] = True
                     return
                 if not waiting_logged:
-                    log.warning("waiting for stream %s (a gateway or `lorafleet up` creates it; workers cannot)",
+                    log.warning("waiting for stream %s (admin creates it: `lorafleet up`; workers cannot)",
                                 self.queue.stream)
                     waiting_logged = True
             except Exception as exc:  # reconnecting, or the stream went away again between the two calls

@@ -18,6 +18,11 @@ Capacity: an engine with its own adapter cache (`EngineRuntime.adapter_capacity`
 max_cpu_loras) sets the bound, not the worker's `max_adapters`: unloading sooner would throw away
 adapters the engine still holds in host memory, keeping more registered would leave the engine
 rereading adapter folders on its own, which the bundle cache may delete meanwhile.
+
+Engine restarts (`reset`): the engine forgot every adapter, so the table starts empty in a new epoch. A
+sequence that acquired before the restart may still be finishing (its stream fails a moment later); its
+release carries the epoch it acquired in and is ignored in a newer one, so it never lowers the count of a
+sequence that loaded the adapter again after the restart (which would let a load evict it while in use).
 """
 
 from __future__ import annotations
@@ -50,13 +55,18 @@ class EngineAdapters:
         self._leaving: dict[str, asyncio.Future[None]] = {}  # victims being unloaded; done when the unload returns
         self._placing: set[str] = set()  # loads past their resolve: each takes a place in the capacity
         self.changed = False  # set on every load and eviction (heartbeats list the loaded adapters)
+        self._epoch = 0  # engine generation: +1 per reset; counts in `loaded` belong to the current one
 
     def loaded(self) -> list[str]:
         return list(self._loaded)
 
-    async def acquire(self, adapter_id: str, uri: str | None) -> None:
-        """Make `adapter_id` loaded, most recent and in use; pair with `release`. AdapterUnavailable when it
-        can never load; any other exception is transient."""
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    async def acquire(self, adapter_id: str, uri: str | None) -> int:
+        """Make `adapter_id` loaded, most recent and in use; returns the epoch the use counts in, for `release`.
+        AdapterUnavailable when it can never load; any other exception is transient."""
         while adapter_id not in self._loaded:
             leaving = self._leaving.get(adapter_id)
             if leaving is not None:  # load it again only once the engine dropped it
@@ -77,15 +87,19 @@ class EngineAdapters:
                 raise
             finally:
                 del self._loading[adapter_id]
-        self._loaded[adapter_id] += 1
+        self._loaded[adapter_id] += 1  # no await since the loop saw it loaded: counted in the current epoch
         self._loaded.move_to_end(adapter_id)
+        return self._epoch
 
-    def release(self, adapter_id: str) -> None:
-        if adapter_id in self._loaded:
+    def release(self, adapter_id: str, epoch: int) -> None:
+        """End one use of `adapter_id` that `acquire` counted in `epoch`; a use from before a reset is ignored (its
+        count went with the old engine)."""
+        if epoch == self._epoch and adapter_id in self._loaded:
             self._loaded[adapter_id] = max(self._loaded[adapter_id] - 1, 0)
 
     def reset(self) -> None:
-        """The engine restarted and forgot every adapter."""
+        """The engine restarted and forgot every adapter: a new epoch, with nothing loaded and nothing in use."""
+        self._epoch += 1
         self._loaded.clear()
         self.changed = True
 

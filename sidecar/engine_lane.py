@@ -132,9 +132,10 @@ class EngineLane:
 
     async def _generate(self, p: Pulled, out: TextOut) -> Verdict:
         task, adapter = p.task, p.task.adapter
+        epoch = 0
         if adapter is not None:
             try:
-                await self.adapters.acquire(adapter, self.uri_for(adapter, task.adapter_uri))
+                epoch = await self.adapters.acquire(adapter, self.uri_for(adapter, task.adapter_uri))
             except AdapterUnavailable as exc:
                 log.warning("adapter %s unavailable: %s", adapter, exc)
                 return Situation.ADAPTER_UNAVAILABLE, str(exc), None
@@ -148,7 +149,7 @@ class EngineLane:
             return await self._stream(p, out)
         finally:
             if adapter is not None:
-                self.adapters.release(adapter)
+                self.adapters.release(adapter, epoch)  # ignored when the engine restarted meanwhile
 
     async def _stream(self, p: Pulled, out: TextOut) -> Verdict:
         assert p.params is not None

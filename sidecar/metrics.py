@@ -16,10 +16,12 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 
+from lorafleet.sidecar.acks import Situation
 from lorafleet.sidecar.adapters import SOURCES, TIERS
 
 # Names, for dashboards (deploy/grafana/lorafleet.json is checked against them) and the report.
 TASKS = "lorafleet_worker_tasks"  # _total{base, outcome}: outcome = acks.Situation value (ok, deadline, …)
+ERRORS = "lorafleet_worker_errors"  # _total{base, code}: failed tasks by code (the outcomes in ERROR_OUTCOMES)
 BATCH_SIZE = "lorafleet_worker_batch_size"  # histogram{base}: tasks per computed batch (batch runtimes)
 BATCH_SECONDS = "lorafleet_worker_batch_seconds"  # histogram{base}: compute time of one batch
 TASKS_IN_FLIGHT = "lorafleet_worker_tasks_in_flight"  # gauge: tasks pulled and not yet settled
@@ -34,8 +36,15 @@ ADAPTER_TIER_EVICTIONS = "lorafleet_worker_adapter_tier_evictions"  # _total{bas
 ADAPTER_TIER_BYTES = "lorafleet_worker_adapter_tier_bytes"  # gauge{base, tier}
 ADAPTER_TIER_ADAPTERS = "lorafleet_worker_adapter_tier_adapters"  # gauge{base, tier}
 
-NAMES = (TASKS, BATCH_SIZE, BATCH_SECONDS, TASKS_IN_FLIGHT, SLOTS, SLOTS_IN_USE, ADAPTERS_LOADED, ADAPTER_LOADS,
+NAMES = (TASKS, ERRORS, BATCH_SIZE, BATCH_SECONDS, TASKS_IN_FLIGHT, SLOTS, SLOTS_IN_USE, ADAPTERS_LOADED, ADAPTER_LOADS,
          ADAPTER_EVICTIONS, ADAPTER_LOADS_BY_SOURCE, ADAPTER_TIER_EVICTIONS, ADAPTER_TIER_BYTES, ADAPTER_TIER_ADAPTERS)
+
+# The outcomes that are failures (a task answered with an error, or to be retried after one); the others are flow
+# (ok, cancelled, owner away, orphaned, shutdown). Clients see only a code and a request id (serve/errors.py): the
+# worker's log has each failure's text under its task id (REQUEST_ID.INDEX), this counter how often each code occurs.
+ERROR_OUTCOMES = frozenset({Situation.DEADLINE, Situation.MALFORMED, Situation.ADAPTER_UNAVAILABLE,
+                            Situation.ADAPTER_FAILED, Situation.RUNTIME_FAILED, Situation.INVALID,
+                            Situation.UNDELIVERED})
 
 DEFAULT_PORT = 9464  # the port the deploy manifests scrape (Prometheus' conventional exporter range)
 
@@ -88,6 +97,9 @@ class WorkerMetrics:
         r = self.registry
         self.tasks = Counter(TASKS, "Tasks settled, by base and outcome (one per delivery: a retried task counts "
                              "again).", ["base", "outcome"], registry=r)
+        self.errors = Counter(ERRORS, "Failed tasks, by base and code (an acks.Situation value: runtime_failed, "
+                              "adapter_unavailable, …; one per delivery). The worker's log has each one's text.",
+                              ["base", "code"], registry=r)
         self.batch_size = Histogram(BATCH_SIZE, "Tasks per computed batch.", ["base"], buckets=_BATCH_BUCKETS,
                                     registry=r)
         self.batch_seconds = Histogram(BATCH_SECONDS, "Compute time of one batch (adapter load included).",
@@ -111,10 +123,12 @@ class WorkerMetrics:
                                            registry=r)
         for base in bases:  # export zeros, so a dashboard shows the families before the first task
             self.tasks.labels(base, "ok")
+            self.errors.labels(base, Situation.RUNTIME_FAILED)
             self.batch_size.labels(base)
             self.batch_seconds.labels(base)
             self.adapter_events(base)
         self._task_children: dict[tuple[str, str], Any] = {}
+        self._error_children: dict[tuple[str, str], Any] = {}
         self._lock = threading.Lock()
 
     def task_settled(self, base: str, outcome: str) -> None:
@@ -124,6 +138,12 @@ class WorkerMetrics:
             with self._lock:
                 child = self._task_children.setdefault(key, self.tasks.labels(base, outcome))
         child.inc()
+        if outcome in ERROR_OUTCOMES:
+            error = self._error_children.get(key)
+            if error is None:
+                with self._lock:
+                    error = self._error_children.setdefault(key, self.errors.labels(base, outcome))
+            error.inc()
 
     def batch_done(self, base: str, size: int, seconds: float) -> None:
         self.batch_size.labels(base).observe(size)

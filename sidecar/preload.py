@@ -108,7 +108,7 @@ async def preload_engine(adapters: EngineAdapters, entry: FleetEntry) -> None:
     """Load a staged adapter on an engine (on the loop; the engine's cache resolves the URI in a thread)."""
     for attempt in range(1, ATTEMPTS + 1):
         try:
-            await adapters.acquire(entry.adapter_id, entry.adapter_uri)
+            epoch = await adapters.acquire(entry.adapter_id, entry.adapter_uri)
         except AdapterUnavailable as exc:
             log.warning("preloading adapter %s on %s refused: %s", entry.adapter_id, entry.base, exc)
             return
@@ -118,6 +118,6 @@ async def preload_engine(adapters: EngineAdapters, entry: FleetEntry) -> None:
             if attempt < ATTEMPTS:
                 await asyncio.sleep(RETRY_PAUSE_S * attempt)  # back off before the next try
             continue
-        adapters.release(entry.adapter_id)
+        adapters.release(entry.adapter_id, epoch)
         log.info("adapter %s preloaded on the engine of %s", entry.adapter_id, entry.base)
         return

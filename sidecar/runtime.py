@@ -33,8 +33,9 @@ Contract (both):
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Collection, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
@@ -43,7 +44,7 @@ from lorafleet import plugins
 from lorafleet.adapters import AdapterUnavailable
 from lorafleet.config import BaseModelSpec
 from lorafleet.device import resolve_device
-from lorafleet.precision import check_precision
+from lorafleet.precision import JudgedModel, check_precision
 from lorafleet.wire import CAPABILITIES, EMBED, GenerateParams
 
 __all__ = ["ABORTED", "AdapterUnavailable", "AdapterWeights",
@@ -131,6 +132,12 @@ class Runtime(ABC):
         """The precisions (`fp32`, `bf16`, `fp16`, `int8`) this runtime can serve a base at on `device`; an
         explicit `BaseModelSpec.precision` outside them is a ConfigError at fleet load. Default: fp32 only."""
         return frozenset({"fp32"})
+
+    def use_judged(self, models: Collection[JudgedModel], resolve: Callable[[str], Path] | None = None) -> object:
+        """Optional hook, called once after the fleet state is read and before serving: each model served on this
+        base, its tuned precision (None: none recorded) and adapter (`resolve` makes a URI a local folder). A
+        runtime whose `auto` follows them resolves here (lorafleet.precision.served_precision). Default: nothing."""
+        return None
 
     # -- embed ---------------------------------------------------------------------------------------
     @property
@@ -229,6 +236,10 @@ class EngineRuntime(ABC):
     def precisions(cls, device: str) -> frozenset[str]:
         """As `Runtime.precisions`: what the engine can serve a base at on `device` (default fp32 only)."""
         return frozenset({"fp32"})
+
+    def use_judged(self, models: Collection[JudgedModel], resolve: Callable[[str], Path] | None = None) -> object:
+        """As `Runtime.use_judged`, before `start`. Default: nothing to do."""
+        return None
 
     @abstractmethod
     async def start(self) -> None:

@@ -10,7 +10,10 @@ A mixed batch (tasks of several adapters of one base, formed when the runtime co
 each pair's adapter along (`Runtime.score_mixed`), so one call serves pairs of many adapters.
 
 A call that fails is retried task by task, so one bad chunk (or an OOM on a large call) fails only
-itself. A runtime that does not declare `score` refuses the task (`invalid_request`), never retried.
+itself. A runtime that does not declare `score` refuses the task (`invalid_request`), never retried; so does a
+cross-encoder whose score head was drawn at load (`CrossEncoderRuntime.trained_head` False) for a task of the bare
+base (no adapter): its scores would rank at chance. The gateway refuses those itself (409) when it can read the
+checkpoint; this is the same decision where the model is loaded, for the bases the gateway cannot read.
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ import logging
 
 import numpy as np
 
+from lorafleet.checkpoints import untrained_head_message
 from lorafleet.sidecar.acks import Situation
 from lorafleet.sidecar.batcher import Batch
+from lorafleet.sidecar.ce_runtime import CrossEncoderRuntime
 from lorafleet.sidecar.runtime import Runtime
 from lorafleet.sidecar.settle import Outcome, Scores
 from lorafleet.wire import SCORE, ScoreParams
@@ -64,11 +69,24 @@ def _scores(runtime: Runtime, pairs: list[Pair], lengths: list[int], budget: int
     return out
 
 
+def _bare_refused(runtime: Runtime, batch: Batch, live: list[int]) -> set[int]:
+    """The tasks of `live` that ask the bare base of a cross-encoder whose head was drawn at load."""
+    if not isinstance(runtime, CrossEncoderRuntime) or runtime.trained_head is not False:
+        return set()
+    return {i for i in live if (batch.items[i].task.adapter if batch.mixed else batch.adapter) is None}
+
+
 def score_batch(runtime: Runtime, batch: Batch, live: list[int]) -> list[Outcome]:
     """One Outcome per index in `live` (the batch's tasks still worth computing), in order."""
     if SCORE not in runtime.capabilities:
         return [Outcome(Situation.INVALID, message=f"base {batch.base!r} does not score (a {type(runtime).__name__})")
                 for _ in live]
+    refused = _bare_refused(runtime, batch, live)
+    if refused:
+        rest = [i for i in live if i not in refused]
+        done = dict(zip(rest, score_batch(runtime, batch, rest), strict=True)) if rest else {}
+        message = untrained_head_message(batch.base)
+        return [done[i] if i in done else Outcome(Situation.INVALID, message=message) for i in live]
     tasks = [batch.items[i].task for i in live]
     docs = [ScoreParams.of(t).documents for t in tasks]  # checked at intake
     pairs: list[Pair] = []

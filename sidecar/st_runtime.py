@@ -8,14 +8,14 @@ the bare base), which computes each adapter's low-rank update on its own rows on
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import logging
 import os
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from contextlib import AbstractContextManager
-from functools import partial
 from pathlib import Path
 from pickle import UnpicklingError
 from typing import Any, ClassVar
@@ -29,12 +29,18 @@ from lorafleet.precision import (
     AUTO,
     AUTO_ENV,
     FP32,
+    PRECISIONS,
+    PROBE_PASSAGES,
     PROBE_SENTENCES,
+    JudgedModel,
+    ServedPrecision,
+    Verdict,
     cache_key,
     candidates,
     check_precision,
     choose_auto,
     pinned_auto,
+    served_precision,
     supported_precisions,
 )
 from lorafleet.sidecar.batcher import padding_cuts
@@ -53,6 +59,8 @@ _UNFIT = (ValueError, KeyError, TypeError)
 # passages) are cut. Clamped, since a fit on a shared machine can swing.
 DEFAULT_PASS_OVERHEAD_TOKENS = 128.0
 PASS_OVERHEAD_RANGE = (64.0, 4096.0)
+# `auto` probes at most this many served models without a tuned verdict per base and worker start (use_judged).
+MAX_PROBED_MODELS = 8
 # For side-by-side benchmarks: LORAFLEET_PASS_CUTS=0 runs each batch in one forward pass, as before issue 27.
 PASS_CUTS = os.environ.get("LORAFLEET_PASS_CUTS", "1") != "0"
 
@@ -72,6 +80,14 @@ def set_precision(model: Any, precision: str) -> None:
     model.to(torch.float32)
     torch.ao.quantization.quantize_dynamic(model.transformers_model, {torch.nn.Linear}, dtype=torch.qint8,
                                            inplace=True)
+
+
+def _adapter_digest(folder: Path) -> str:
+    """sha256 over an adapter folder's files (names and contents): the probe's cache key for it."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        h.update(path.relative_to(folder).as_posix().encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def _quiet_transformers() -> None:
@@ -112,7 +128,11 @@ class SentenceTransformerRuntime(Runtime):
         model.eval()
         self.model = model
         self.normalized = has_normalize if spec.normalize is None else spec.normalize
+        self._source = source
+        self._auto = False  # set by _resolve_precision: `auto` decides per served model in use_judged
         self.precision = self._resolve_precision(spec, device, source)
+        self.served = ServedPrecision(self.precision, "auto: no served model judged yet, fp32 (the gated precision)"
+                                      if self._auto else f"the fleet file sets {self.precision}")
         dim = model.get_embedding_dimension()
         if dim is None:
             dim = int(self._raw_encode(["dimension probe"]).shape[1])
@@ -133,7 +153,8 @@ class SentenceTransformerRuntime(Runtime):
         return supported_precisions(device)
 
     def _resolve_precision(self, spec: BaseModelSpec, device: str, source: str) -> str:
-        """Apply the spec's precision to the model; `auto` runs the quality guard (lorafleet/precision.py)."""
+        """Apply the spec's precision to the model; `auto` starts at fp32 and decides per served model once the
+        worker knows them (use_judged)."""
         supported = self.precisions(device)
         check_precision(spec.name, spec.runtime, spec.precision, supported, device)
         if spec.precision != AUTO:
@@ -145,23 +166,83 @@ class SentenceTransformerRuntime(Runtime):
             set_precision(self.model, pinned)
             return pinned
         set_precision(self.model, FP32)  # the reference, whatever dtype the checkpoint's config names
+        self._auto = True
+        return FP32
+
+    def use_judged(self, models: Collection[JudgedModel], resolve: Callable[[str], Path] | None = None
+                   ) -> ServedPrecision:
+        """Under `auto`, per served model (issue 39): its tuned verdict (tune's guard, on its dev set with the
+        adapter loaded) where the bundle has one, else a probe of the base with its adapter (`resolve` makes its
+        URI a folder) on statute-length passages and short queries; the bare base alone when no model is served.
+        The base, one copy for every adapter, serves the precision all of them passed (fp32 otherwise). Called
+        once, before any adapter loads; an explicit precision stays as set (an override where a model was judged
+        at another)."""
+        supported = self.precisions(self.device)
+        if not self._auto:
+            verdict = served_precision(self.precision, [m.judged for m in models], supported)
+            self.served = verdict if verdict.override else self.served
+            return self.served
         # int8 is no candidate: a quantised base takes no adapters, and `auto` must not take them away silently.
         tries = [p for p in candidates(supported) if p != "int8"]
-        key = cache_key(spec.runtime, source, spec.revision, device, tries)
-        verdict = choose_auto(key, tries, partial(self._probe, list(PROBE_SENTENCES)))
-        log.info("base %s: precision auto → %s (%s)", spec.name, verdict.precision, verdict.reason())
+        verdicts: list[str | None] = []
+        unjudged: list[JudgedModel] = []
+        for m in models or [JudgedModel(None)]:
+            if m.judged in PRECISIONS and m.judged != "int8":
+                verdicts.append(m.judged)
+            elif not tries:
+                verdicts.append(FP32)
+            else:
+                unjudged.append(m)
+        # A probe costs a copy of the base and two encodes (~2 s for MiniLM on 2 CPUs): a fleet file listing hundreds
+        # of untuned adapters probes a fixed sample of them, and the base serves what the strictest of those passed.
+        unjudged.sort(key=lambda m: m.adapter_id or m.adapter or "")
+        verdicts += [self._probe_model(m, tries, resolve).precision for m in unjudged[:MAX_PROBED_MODELS]]
+        if len(unjudged) > MAX_PROBED_MODELS:
+            log.info("base %s: probed %d of %d models without a tuned verdict; the others count as the strictest of "
+                     "those", self.spec.name, MAX_PROBED_MODELS, len(unjudged))
+        verdict = served_precision(AUTO, verdicts, supported)
         set_precision(self.model, verdict.precision)
-        return verdict.precision
+        self.precision, self.served = verdict.precision, verdict
+        log.info("base %s: precision auto → %s (%s)", self.spec.name, verdict.precision, verdict.reason)
+        return verdict
 
-    def _probe(self, texts: list[str], precision: str) -> np.ndarray:
-        """The vectors of `texts` with the base at `precision`, on a copy of the fp32 base (casting there and back
-        would round the weights): the guard holds a second copy of the base for a moment, once per model and
-        device."""
-        if precision == FP32:
+    def _probe_model(self, m: JudgedModel, tries: list[str], resolve: Callable[[str], Path] | None) -> Verdict:
+        """The probe's verdict on one served model without a tuned one, cached per (base, adapter content,
+        device); a model whose adapter cannot be found here counts as judged at fp32 only."""
+        folder: Path | None = None
+        digest = ""
+        if m.adapter is not None:
+            try:
+                folder = resolve(m.adapter) if resolve is not None else Path(m.adapter)
+                digest = _adapter_digest(folder)
+            except Exception as exc:  # a missing adapter fails when requested; here it only keeps fp32
+                log.warning("base %s: cannot probe adapter %s (%s): counted at fp32", self.spec.name, m.adapter, exc)
+                return Verdict(FP32, {})
+        key = cache_key(self.spec.runtime, self._source, self.spec.revision, self.device, tries) \
+            + (f"|adapter {digest}" if folder is not None else "|base")
+        texts = [*PROBE_PASSAGES, *PROBE_SENTENCES]
+        verdict = choose_auto(key, tries, lambda p: self._probe(texts, p, folder))
+        log.info("base %s: %s probed: %s", self.spec.name, m.adapter_id or m.adapter or "the bare base",
+                 verdict.reason())
+        return verdict
+
+    def _probe(self, texts: list[str], precision: str, adapter: Path | None = None) -> np.ndarray:
+        """The vectors of `texts` on a copy of the fp32 base at `precision` (casting there and back would round
+        the weights), with `adapter` loaded on it where given: the probe holds a second copy of the base for a
+        moment, once per model and device."""
+        if precision == FP32 and adapter is None:
             return self._raw_encode(texts)
         model = copy.deepcopy(self.model)
         set_precision(model, precision)
-        return self._encode_with(model, texts)
+        if adapter is not None:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Already found a `peft_config`")
+                model.load_adapter(str(adapter), adapter_name="probe")
+            model.set_adapter("probe")
+        try:
+            return self._encode_with(model, texts)
+        finally:
+            del model
 
     @property
     def dim(self) -> int:

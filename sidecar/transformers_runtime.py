@@ -18,6 +18,8 @@ and the completion tokens count the end-of-sequence token.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Collection
+from pathlib import Path
 from typing import Any, ClassVar
 
 from pydantic import Field, ValidationError
@@ -25,6 +27,7 @@ from pydantic import Field, ValidationError
 from lorafleet.adapters import AdapterUnavailable
 from lorafleet.causal import context_length, resolve_causal_source
 from lorafleet.config import BaseModelSpec, ConfigError, StrictModel, format_validation_error
+from lorafleet.precision import AUTO, GATED, JudgedModel, ServedPrecision, served_precision
 from lorafleet.sidecar.runtime import ABORTED, Generated, GenerateInput, RequestRefused, Runtime, TokenSink
 from lorafleet.wire import GENERATE
 
@@ -40,8 +43,9 @@ class TransformersOptions(StrictModel):
     """`options:` of a base served by the transformers runtime."""
 
     max_model_len: int | None = Field(None, ge=16, description="Context in tokens; default: the model's own.")
-    dtype: str = Field("auto", description="'auto': float32 on CPU, the checkpoint's own on CUDA; or a torch "
-                       "dtype name (bfloat16, float16, float32).")
+    dtype: str = Field("auto", description="'auto': as `precision` (under `precision: auto`, what the base's "
+                       "models were judged at, float32 until known); or a torch dtype name (bfloat16, float16, "
+                       "float32).")
 
 
 class _Row:
@@ -93,7 +97,7 @@ class TransformersRuntime(Runtime):
         self.device = device
         source = resolve_causal_source(spec.source)
         self.tokenizer = AutoTokenizer.from_pretrained(source, revision=spec.revision)
-        if spec.precision != "auto":  # no guard for generation: `auto` keeps the dtype rule below
+        if spec.precision != AUTO:
             named = _DTYPE_NAMES[spec.precision]
             if opts.dtype not in ("auto", named):
                 raise ConfigError(f"bases.{spec.name}: precision {spec.precision!r} and options.dtype "
@@ -101,12 +105,15 @@ class TransformersRuntime(Runtime):
             dtype: Any = getattr(torch, named)
         elif opts.dtype != "auto":
             dtype = getattr(torch, opts.dtype)
-        else:
-            dtype = torch.float32 if device == "cpu" else "auto"
+        else:  # `auto`: fp32, the gated precision, until use_judged says what the base's models were judged at
+            dtype = getattr(torch, _DTYPE_NAMES[GATED])
+        self._auto = spec.precision == AUTO and opts.dtype == "auto"
         model = AutoModelForCausalLM.from_pretrained(source, revision=spec.revision, dtype=dtype)
         self.model = model.to(device).eval()
         self.precision = {v: k for k, v in _DTYPE_NAMES.items()}.get(str(model.dtype).removeprefix("torch."),
                                                                      str(model.dtype))
+        self.served = ServedPrecision(self.precision, "auto: no served model judged yet, fp32 (the gated precision)"
+                                      if self._auto else f"the fleet file sets {self.precision}")
         self.context = context_length(source, spec.options) or 2048
         eos = model.generation_config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
@@ -120,6 +127,24 @@ class TransformersRuntime(Runtime):
         log.info("loaded causal base %s from %s on %s (context %d)", spec.name, source, device, self.context)
 
     # -- adapters ------------------------------------------------------------------------------------
+    def use_judged(self, models: Collection[JudgedModel], resolve: Callable[[str], Path] | None = None
+                   ) -> ServedPrecision:
+        """Under `precision: auto`, serve the precision the base's models were judged at (lorafleet.precision.
+        served_precision): the fp32 weights are cast down once, before adapters load (a cast from fp32 rounds as
+        loading at that dtype would). An explicit precision or options.dtype stays as set (an override)."""
+        import torch
+
+        declared = AUTO if self._auto else self.precision
+        verdict = served_precision(declared, [m.judged for m in models], self.precisions(self.device))
+        if self._auto and verdict.precision != self.precision:
+            if self.precision != GATED or self._adapters:
+                raise RuntimeError("use_judged is for a freshly loaded fp32 base with no adapters")
+            self.model.to(getattr(torch, _DTYPE_NAMES[verdict.precision]))
+            self.precision = verdict.precision
+        self.served = verdict if self._auto or verdict.override else self.served
+        log.info("base %s: precision %s (%s)", self.spec.name, self.precision, self.served.reason)
+        return self.served
+
     def load_adapter(self, adapter_id: str, path: str) -> None:
         import warnings
 

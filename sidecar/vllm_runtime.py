@@ -21,9 +21,10 @@ bundle cache may already have deleted. `lorafleet tune` sweeps both under a mult
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Collection
 from pathlib import Path
 from typing import ClassVar, Literal
 
@@ -33,6 +34,7 @@ from lorafleet import settings
 from lorafleet.adapters import AdapterUnavailable
 from lorafleet.causal import context_length, resolve_causal_source
 from lorafleet.config import BaseModelSpec, ConfigError, StrictModel, format_validation_error
+from lorafleet.precision import AUTO, GATED, JudgedModel, ServedPrecision, served_precision
 from lorafleet.sidecar.runtime import (
     EngineDown,
     EngineRuntime,
@@ -67,7 +69,8 @@ class VllmOptions(StrictModel):
     kv_cache_gib: int | None = Field(None, ge=1, description="KV-cache space: CPU default 1 GiB; on CUDA, set "
                                      "to use a fixed size instead of gpu_memory_utilization.")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="CUDA: share of GPU memory for vLLM.")
-    dtype: str | None = Field(None, description="Default bfloat16 on CPU, auto on CUDA.")
+    dtype: str | None = Field(None, description="vLLM's --dtype, as `precision` (set one of them); default: what "
+                              "the base's models were judged at (`precision: auto`), float32 when unknown.")
     enforce_eager: bool = Field(True, description="No CUDA graphs / compilation: starts in half the time; on a "
                                 "CPU the measured throughput is the same.")
     omp_threads_bind: str | None = Field("auto", description="CPU: VLLM_CPU_OMP_THREADS_BIND.")
@@ -104,7 +107,8 @@ class VllmRuntime(EngineRuntime):
 
     @classmethod
     def precisions(cls, device: str) -> frozenset[str]:
-        # vLLM's dtype; `auto` keeps vLLM's default (the checkpoint's on CUDA, bfloat16 on CPU), no guard.
+        # vLLM's dtype. `auto` serves what the base's models were judged at (use_judged), float32 until known: not
+        # vLLM's own default (bfloat16 on a CPU), which no gate measured (issue 39).
         return frozenset({"fp32", "fp16", "bf16"}) if device.startswith("cuda") else frozenset({"fp32", "bf16"})
 
     def __init__(self, spec: BaseModelSpec, device: str = "cpu") -> None:
@@ -117,8 +121,12 @@ class VllmRuntime(EngineRuntime):
         if named is not None and opts.dtype not in (None, named):
             raise ConfigError(f"bases.{spec.name}: precision {spec.precision!r} and options.dtype {opts.dtype!r} "
                               "disagree; set one of them")
-        dtype = named or opts.dtype or ("auto" if on_cuda == "cuda" else "bfloat16")
+        self._auto = spec.precision == AUTO and opts.dtype is None  # the fleet file leaves the dtype open
+        dtype = named or opts.dtype or _VLLM_DTYPES[GATED]
         self.precision = {v: k for k, v in _VLLM_DTYPES.items()}.get(dtype, dtype)
+        self.served = ServedPrecision(self.precision, "auto: no served model judged yet, fp32 (the gated precision)"
+                                      if self._auto else f"the fleet file sets {spec.precision if named else dtype}")
+        self.device = device
         self.config = EngineConfig(
             model=str(model), served_name=spec.name, venv=Path(opts.venv) if opts.venv else None, device=on_cuda,
             dtype=dtype, max_model_len=context,
@@ -132,6 +140,20 @@ class VllmRuntime(EngineRuntime):
             extra_args=tuple(opts.extra_args),
         )
         self.engine: VllmEngine | None = None
+
+    def use_judged(self, models: Collection[JudgedModel], resolve: Callable[[str], Path] | None = None
+                   ) -> ServedPrecision:
+        """Before `start`: under `precision: auto`, serve the precision the base's models were judged at (each
+        one's tuned verdict, None: judged at fp32 only; lorafleet.precision.served_precision). An explicit
+        precision or options.dtype stays as set: the operator's override, reported as such."""
+        declared = AUTO if self._auto else self.precision
+        verdict = served_precision(declared, [m.judged for m in models], self.precisions(self.device))
+        if self._auto and verdict.precision != self.precision:
+            self.config = dataclasses.replace(self.config, dtype=_VLLM_DTYPES[verdict.precision])
+            self.precision = verdict.precision
+        self.served = verdict if self._auto or verdict.override else self.served
+        log.info("base %s: precision %s (%s)", self.spec.name, self.precision, self.served.reason)
+        return self.served
 
     @property
     def slots(self) -> int:

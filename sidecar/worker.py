@@ -23,6 +23,7 @@ from typing import Any
 from lorafleet.adapters import AdapterPolicy, local_path_of
 from lorafleet.config import ConfigError, FleetConfig, ServingProfile
 from lorafleet.fleet_state import by_adapter_id
+from lorafleet.precision import JudgedModel
 from lorafleet.sidecar.adapters import AdapterCache
 from lorafleet.sidecar.compute import Computer
 from lorafleet.sidecar.connection import NatsSide
@@ -63,6 +64,11 @@ class FleetLookup:
     def apply_fleet_state(self, table: dict[str, Any]) -> None:
         """Promoted bundles from the fleet KV bucket: adapter id → URI and serving profile (one swap)."""
         self.served = {**self._static, **by_adapter_id(table.values())}
+
+    def judged_for(self, base: str) -> list[JudgedModel]:
+        """Each model served on `base`: its tuned precision (None: none recorded) and adapter, for `use_judged`."""
+        return [JudgedModel(m.profile.precision if m.profile is not None else None, m.adapter, m.resolved_adapter_id)
+                for m in self.served.values() if m.base == base]
 
     def profile_for(self, base: str, adapter: str | None) -> ServingProfile:
         served = self.served.get(adapter) if adapter else None
@@ -159,8 +165,10 @@ def _serve(fleet: FleetConfig, side: NatsSide, serve: list[str], lookup: FleetLo
     if not side.wait_connected():
         log.error("could not set up NATS at %s: %s", side.nats_url, side.error)
         return 1
-    side.precisions = {b: rt.precision for b, rt in {**runtimes, **engines}.items()}  # heartbeats carry them
     policy = adapter_policy(fleet)
+    for name, rt in {**runtimes, **engines}.items():  # `auto` follows what the served models were judged at
+        rt.use_judged(lookup.judged_for(name), policy.resolve)
+    side.precisions = {b: rt.precision for b, rt in {**runtimes, **engines}.items()}  # heartbeats carry them
     profile = fleet.worker.profile  # the adapter tiers and mixed batches are worker-wide
     caches = {b: AdapterCache(rt, fleet.worker.max_adapters, resolve=policy.resolve, events=metrics.adapter_events(b),
                               device_bytes=profile.adapter_device_bytes, host_bytes=profile.adapter_host_bytes)

@@ -16,7 +16,10 @@ limit named, before anything is generated.
 Baselines do not depend on the recipe being trained, only on the data, the bases' weights and the decoding, yet
 they cost a third of a headings run on a CPU (~8 of ~25 min). `baselines_cache_key` names everything they depend
 on; a run on the same key reuses the stored answers and metrics (`LORAFLEET_HOME/cache/generation-baselines`),
-so trying a recipe twice costs one set of baselines (`baselines.cache: false` recomputes).
+so trying a recipe twice costs one set of baselines (`baselines.cache: false` recomputes). The key holds a digest
+of the code that builds prompts, decodes and scores (`BASELINES_CODE`, the files' bytes), the versions of the
+metric libraries, and each base's converted folder (`base_identity`), so an entry never outlives what computed it
+and nothing needs a manual bump.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import lorafleet.causal
 from lorafleet import settings
 from lorafleet.causal import PACKAGED_GEMMA3, PACKAGED_SMOLLM2, CausalLMError, base_identity
 from lorafleet.device import resolve_device
@@ -127,16 +131,47 @@ def kshot_baseline(cfg: Any, dataset: HeadingsDataset, model_source: str, prefix
     return metrics, answers
 
 
-# Bump when what a baseline computes changes (decoding, prompts, metrics): older cache entries then miss.
-BASELINES_CACHE_VERSION = 1
+# The layout of a cache entry; what a baseline computes is covered by BASELINES_CODE (no bump needed for that).
+BASELINES_CACHE_VERSION = 2
+_HERE = Path(__file__).parent
+# The modules whose bytes key the cache: prompts and the lead (here, generation_run, headings), loading and
+# converting a base (causal_lm, lorafleet/causal), decoding and scoring (generation_eval, generation).
+BASELINES_CODE: tuple[Path, ...] = (
+    *(_HERE / f"{name}.py" for name in ("generation_baselines", "generation_run", "generation_eval", "generation",
+                                         "headings", "causal_lm")),
+    Path(lorafleet.causal.__file__),
+)
+# Distributions whose numbers the metrics are (rouge-score's LCS, sacrebleu's chrF).
+METRIC_LIBRARIES = ("rouge-score", "sacrebleu")
+
+
+def code_digest(files: Sequence[Path]) -> str:
+    """sha256 over the names and bytes of `files`: any edit to them changes it."""
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f"{f.name}\0".encode() + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def library_versions(names: Sequence[str]) -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out: dict[str, str] = {}
+    for name in names:
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = "missing"
+    return out
 
 
 def baselines_cache_key(cfg: Any, dataset: HeadingsDataset, other: str | None, splits: Sequence[str]
                         ) -> dict[str, Any] | None:
     """Everything the baselines of `cfg` on `dataset` depend on, or None when a base has no content digest
-    (a hub id): the dataset digest (data, system prompt, input cut), each base's weights, the base's chat
-    template, k, the decoding settings, device, dtype and the lorafleet/torch/transformers versions (how a GGUF
-    is converted, their numerics)."""
+    (a hub id): the dataset digest (data, system prompt, input cut), each base's converted folder
+    (`base_identity`: the GGUF and the converter, or the folder's files), the base's chat template, k, the
+    decoding settings, device, dtype, a digest of the code that prompts, decodes and scores (`BASELINES_CODE`),
+    the metric libraries' versions and the lorafleet/torch/transformers versions (their numerics)."""
     import torch
     import transformers
 
@@ -153,6 +188,7 @@ def baselines_cache_key(cfg: Any, dataset: HeadingsDataset, other: str | None, s
         "max_new_tokens": cfg.max_new_tokens, "eval_batch_size": cfg.eval_batch_size,
         "device": resolve_device(cfg.device), "dtype": str(cfg.dtype), "lorafleet": lorafleet.__version__,
         "torch": torch.__version__, "transformers": transformers.__version__,
+        "code": code_digest(BASELINES_CODE), "metric_libraries": library_versions(METRIC_LIBRARIES),
     }
 
 
@@ -204,8 +240,8 @@ def best_label(metrics: dict[str, float], prefixes: Sequence[str], split: str = 
 
 
 __all__ = [
-    "BASELINES_CACHE_VERSION", "BEST", "KSHOT", "OTHER_KSHOT", "KShotOverflowError", "baselines_cache_key",
-    "baselines_cache_path", "best_baseline", "best_label", "check_context", "kshot_baseline", "kshot_examples",
-    "kshot_prompt", "kshot_prompts", "load_cached_baselines", "model_context", "other_model",
-    "store_cached_baselines",
+    "BASELINES_CACHE_VERSION", "BASELINES_CODE", "BEST", "KSHOT", "METRIC_LIBRARIES", "OTHER_KSHOT",
+    "KShotOverflowError", "baselines_cache_key", "baselines_cache_path", "best_baseline", "best_label",
+    "check_context", "code_digest", "kshot_baseline", "kshot_examples", "kshot_prompt", "kshot_prompts",
+    "library_versions", "load_cached_baselines", "model_context", "other_model", "store_cached_baselines",
 ]

@@ -5,10 +5,12 @@
   full fine-tune are decoded the same way; decoding stops at the model's end-of-sequence tokens (its
   generation config: `<end_of_turn>` too for Gemma).
 * **Metrics** per split, named `{split}_{metric}` through lorafleet.metrics (callers add `base_`/`lead_`
-  prefixes): `rouge_l` (the headline: mean ROUGE-L F1 of rouge-score over casefolded Unicode words, as
-  headline generation is scored; rouge-score's default tokenizer keeps only [a-z0-9] and would cut
-  "Kündigung" in two), `chrf` (sacrebleu corpus chrF, β = 2, 0–100), `chrf1` (the same with β = 1),
-  `exact_match` (after `normalise_heading`), `pred_words` (mean length of the answers in words).
+  prefixes): `rouge_l` (the headline: mean ROUGE-L F1 of rouge-score over Unicode words, as headline
+  generation is scored; rouge-score's default tokenizer keeps only [a-z0-9] and would cut "Kündigung" in
+  two), `chrf` (sacrebleu corpus chrF, β = 2, 0–100), `chrf1` (the same with β = 1), `exact_match`,
+  `pred_words` (mean length of the answers in words). Every metric sees the same text: answer and reference
+  after `normalise_heading` (one normaliser, its examples in its docstring), so a difference the normaliser
+  removes costs no metric anything, and an exact match of an answer with words has ROUGE-L 1.
   chrF β = 2 weighs recall twice as much as precision, so on ~3-word headings it rewards long answers
   and shared stems: a copy of the section's opening beats a correct short heading, and a wrong one-word
   answer sharing a stem still scores high (docs/benchmarks.md shows the numbers). It is reported, not gated on.
@@ -42,6 +44,9 @@ SCORE_METRICS = ("rouge_l", "chrf", "chrf1", "exact_match")
 _WORD = re.compile(r"\w+", re.UNICODE)
 _PARAGRAPH_MARK = re.compile(r"^\(\d+[a-z]?\)\s*")
 _LABEL = re.compile(r"^(?:§+|Art\.?|Artikel)\s*\d+[a-z]?\s*[-–:.]?\s*", re.I)
+# Footnote markers the statutes' headings carry ("Übergangsmandat *)", escaped "\*)" in the markdown, "(*)") and
+# markdown footnote references ("[^1]"): a model cannot know them, so no metric should ask for them.
+_FOOTNOTE = re.compile(r"\(\\?\*+\)|\\?\*+\)|\[\^[^\]]*\]")
 _EDGE_PUNCT = " \t\"'„“”‚‘’«»*_#:;.,-–"
 
 
@@ -150,21 +155,36 @@ def _prefix_padded(ids: Sequence[Sequence[int]], idx: Sequence[int], shared: int
 
 
 def normalise_heading(text: str) -> str:
-    """Casefolded, NFC, whitespace collapsed, a leading `§ N` label and edge quotes/punctuation removed."""
-    text = unicodedata.normalize("NFC", text).strip().strip(_EDGE_PUNCT)
+    """The text every generation metric scores (exact match, ROUGE-L, chrF), answers and references alike.
+
+    NFC; footnote markers (`*)`, `\\*)`, `(*)`, `[^1]`) dropped; a leading label (`§ 346`, `§§ 5`, `Art. 3`,
+    `Artikel 3a`) and the quotes and punctuation at both edges removed; whitespace collapsed; Unicode case
+    folding, under which ß (and ẞ) become "ss", so "Straße" and "STRASSE" match, as do the old and the new
+    spelling ("Anschluß", "Anschluss"); umlauts stay ("Kündigung" is not "Kundigung").
+
+    >>> normalise_heading("§ 346 Rücktritt vom Vertrag.")
+    'rücktritt vom vertrag'
+    >>> normalise_heading("Zahl der Betriebsratsmitglieder *)")
+    'zahl der betriebsratsmitglieder'
+    >>> normalise_heading("„Gefahrübergang“")
+    'gefahrübergang'
+    >>> normalise_heading("Straße")
+    'strasse'
+    """
+    text = _FOOTNOTE.sub(" ", unicodedata.normalize("NFC", text)).strip().strip(_EDGE_PUNCT)
     text = _LABEL.sub("", text)
     return " ".join(text.strip(_EDGE_PUNCT).casefold().split())
 
 
 class _WordTokenizer:
-    """rouge-score tokenizer interface: casefolded Unicode words (umlauts and ß kept)."""
+    """rouge-score tokenizer interface: the Unicode words of the normalised text (`normalise_heading`)."""
 
     def tokenize(self, text: str) -> list[str]:
-        return _WORD.findall(unicodedata.normalize("NFC", text).casefold())
+        return _WORD.findall(normalise_heading(text))
 
 
 def rouge_l(predictions: Sequence[str], references: Sequence[str]) -> list[float]:
-    """ROUGE-L F1 of each prediction against its reference, over casefolded Unicode words (0–1)."""
+    """ROUGE-L F1 of each prediction against its reference, over the words of the normalised texts (0–1)."""
     from rouge_score.rouge_scorer import RougeScorer
 
     scorer = RougeScorer(["rougeL"], tokenizer=_WordTokenizer())
@@ -193,24 +213,28 @@ def exact_match_reach(references: Sequence[str], inputs: Sequence[str], train_re
 
 
 def chrf(predictions: Sequence[str], references: Sequence[str], beta: int = 2) -> float:
-    """sacrebleu's corpus chrF (0–100); β = 2 weighs recall twice as much as precision, β = 1 equally."""
+    """sacrebleu's corpus chrF (0–100) of the normalised texts (`normalise_heading`: so case-insensitive, unlike
+    sacrebleu's default); β = 2 weighs recall twice as much as precision, β = 1 equally."""
     from sacrebleu.metrics import CHRF
 
-    return float(CHRF(beta=beta).corpus_score(list(predictions), [list(references)]).score)
+    return float(CHRF(beta=beta).corpus_score([normalise_heading(p) for p in predictions],
+                                              [[normalise_heading(r) for r in references]]).score)
 
 
 def text_metrics(predictions: Sequence[str], references: Sequence[str], split: str) -> dict[str, float]:
-    """`{split}_rouge_l`, `_chrf`, `_chrf1`, `_exact_match`, `_pred_words` of `predictions`."""
+    """`{split}_rouge_l`, `_chrf`, `_chrf1`, `_exact_match`, `_pred_words` of `predictions`, each computed on the
+    texts after `normalise_heading`."""
     if len(predictions) != len(references) or not references:
         raise ValueError(f"need as many predictions as references (got {len(predictions)} and {len(references)})")
     rouge = rouge_l(predictions, references)
-    exact = [normalise_heading(p) == normalise_heading(r) for p, r in zip(predictions, references, strict=True)]
+    answers = [normalise_heading(p) for p in predictions]
+    exact = [a == normalise_heading(r) for a, r in zip(answers, references, strict=True)]
     return {
         key(split, "rouge_l"): sum(rouge) / len(rouge),
         key(split, "chrf"): chrf(predictions, references, beta=2),
         key(split, "chrf1"): chrf(predictions, references, beta=1),
         key(split, "exact_match"): sum(exact) / len(exact),
-        key(split, "pred_words"): sum(len(p.split()) for p in predictions) / len(predictions),
+        key(split, "pred_words"): sum(len(a.split()) for a in answers) / len(answers),
     }
 
 

@@ -32,6 +32,8 @@ class GenerationKind(TaskKind):
         report=("rouge_l", "chrf", "chrf1", "exact_match", "pred_words"),
         gate="best", gate_label="the best baseline (lead, base, k-shot, other base k-shot)",
         beside=("test_chrf", "test_chrf1", "test_exact_match", "test_pred_words"),
+        # Scores of the answers only: `pred_words` is their length, which research must not optimise.
+        objectives=(("dev_chrf", "maximize"), ("dev_chrf1", "maximize"), ("dev_exact_match", "maximize")),
     )
     config_model: ClassVar[type[GenerationTrainConfig]] = GenerationTrainConfig
 

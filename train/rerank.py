@@ -9,7 +9,7 @@ Training: each training query, its positive (the first chunk of its relevant sec
 reranker will see at serving time), taken only from sections that are no dev or test answer.
 
 Loss (default `mnrl`): a softmax over the positive, the mined negatives and `in_batch_negatives` other
-queries' documents. Every query has one relevant section and the reranker's only job is to put it
+queries' documents (0: none). Every query has one relevant section and the reranker's only job is to put it
 above the first stage's other candidates: that is exactly a listwise softmax (an MRR/nDCG surrogate),
 where pointwise BCE (`bce`) spends capacity calibrating absolute scores and LambdaLoss (`lambda`)
 needs graded lists it has nothing to grade. Both stay selectable for research.
@@ -24,26 +24,30 @@ import json
 import logging
 import random
 import shutil
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
 from lorafleet.config import ConfigError
 from lorafleet.device import resolve_device
 from lorafleet.metrics import prefixed
-from lorafleet.tasks import EpochCallback, MetricSpec, TaskKind, TrainResult
+from lorafleet.tasks import EpochCallback, MetricSpec, Rival, TaskKind, TrainResult
 from lorafleet.train.dropout import use_fast_dropout
 from lorafleet.train.evaluate import TOP_K
-from lorafleet.train.rerank_config import CE_BASE_SUFFIX, RerankConfig
+from lorafleet.train.rerank_config import CE_BASE_SUFFIX, FirstStageSettings, RerankConfig
 from lorafleet.train.rerank_eval import (
     FIRST,
     RerankDataset,
     first_stage_ranking,
     load_reranker,
     pipeline_metrics,
+    stage_key,
 )
+from lorafleet.train.retrieval_kind import RELEVANCE_NOTE, evaluation_data_key
 
 log = logging.getLogger("lorafleet.train")
 
+BEST_FIRST = "bestfirst"  # metric prefix of the best first stage alone (MetricSpec.rivals)
 HEAD_MODULE = "classifier"  # saved with every adapter: the runtime refuses an adapter without it
 Group = tuple[str, str, list[str]]  # (query, positive, negatives)
 
@@ -114,11 +118,23 @@ def _loss(cfg: RerankConfig, model: Any) -> Any:
     from sentence_transformers.cross_encoder import losses
 
     if cfg.loss == "mnrl":
-        return losses.MultipleNegativesRankingLoss(model, num_negatives=cfg.in_batch_negatives or None,
-                                                   scale=cfg.scale)
+        mnrl = losses.MultipleNegativesRankingLoss if cfg.in_batch_negatives else _mined_negatives_only_mnrl()
+        return mnrl(model, num_negatives=cfg.in_batch_negatives, scale=cfg.scale)
     if cfg.loss == "bce":  # one positive per num_negatives negatives: weigh them alike
         return losses.BinaryCrossEntropyLoss(model, pos_weight=torch.tensor(float(cfg.data.num_negatives)))
     return losses.LambdaLoss(model)
+
+
+def _mined_negatives_only_mnrl() -> type:
+    """mnrl over the positive and the mined negatives alone (`in_batch_negatives: 0`): sentence-transformers reads
+    num_negatives=None as every other document of the batch and cannot sample 0, so "none" skips that step."""
+    from sentence_transformers.cross_encoder.losses import MultipleNegativesRankingLoss
+
+    class MinedNegativesOnlyMNRL(MultipleNegativesRankingLoss):
+        def get_in_batch_negatives(self, anchors: list[str], candidates: list[list[str]]) -> Iterator[list[str]]:
+            return iter(())
+
+    return MinedNegativesOnlyMNRL
 
 
 def listwise_loss(model: Any, groups: list[Group], batch_size: int = 64) -> float:
@@ -243,8 +259,10 @@ def load_adapter_reranker(cfg: RerankConfig, adapter_dir: Path, device: str = "c
 
 
 def rerank_baselines(cfg: RerankConfig, dataset: RerankDataset) -> dict[str, float]:
-    """On dev and test: the base cross-encoder reranking the first stage (`base_`), the first stage alone (`first_`),
-    and per metric the better of the two (`best_`: what the gate compares against)."""
+    """On dev and test, for `cfg`'s own pipeline (its first stage and depth): the base cross-encoder reranking that
+    first stage (`base_`), the first stage alone (`first_`), per metric the better of the two (`best_`: what the
+    gate compares against), and the best first stage alone (`bestfirst_`; here only its own, research widens it to
+    the first stages of its space through `RerankKind.rivals`)."""
     device = resolve_device(cfg.device)
     base = load_reranker(cfg.base_model, device, cfg.max_pair_length)
     out: dict[str, float] = {}
@@ -255,6 +273,25 @@ def rerank_baselines(cfg: RerankConfig, dataset: RerankDataset) -> dict[str, flo
     for key in [k.removeprefix("base_") for k in out if k.startswith("base_")]:
         if f"{FIRST}_{key}" in out:  # what the gate compares against (MetricSpec.gate)
             out[f"best_{key}"] = max(out[f"base_{key}"], out[f"{FIRST}_{key}"])
+    out.update(best_first_stage(cfg, dataset, [cfg.first_stage]))
+    return out
+
+
+def best_first_stage(cfg: RerankConfig, dataset: RerankDataset, stages: Sequence[FirstStageSettings]
+                     ) -> dict[str, float]:
+    """Per metric on dev and test, the best of `stages` alone (no reranker) on `cfg`'s data (`bestfirst_`): what a
+    pipeline must beat beside its own first stage, since serving that first stage alone is always an option.
+    `recall@depth` is left out: it depends on the depth, not on the stage's ranking alone."""
+    device = resolve_device(cfg.device)
+    distinct = {stage_key(s): s for s in stages}
+    out: dict[str, float] = {}
+    for s in distinct.values():
+        for split in ("dev", "test"):
+            m = pipeline_metrics(None, dataset, s, split, device=device, batch_size=cfg.eval_batch_size)
+            for key, value in m.items():
+                name = key.removeprefix(f"{FIRST}_")
+                if not name.endswith("recall@depth"):
+                    out[f"{BEST_FIRST}_{name}"] = max(value, out.get(f"{BEST_FIRST}_{name}", value))
     return out
 
 
@@ -270,13 +307,34 @@ class RerankKind(TaskKind):
         label="nDCG@10 (reranked)", table=("test_ndcg@10", "base_test_ndcg@10", "first_test_ndcg@10", "dev_ndcg@10"),
         report=("ndcg@10", "mrr@10", "recall@1", "recall@10", "recall@depth"),
         # Against a BERT with a fresh head the base reranker is a straw man: the pipeline must beat the better of
-        # it and the first stage alone (`best_`, from `baselines`), in research's verdict and at promotion.
-        gate="best", gate_label="the better of the first stage alone and the base reranker",
+        # it and its own first stage alone (`best_`, from `baselines` of the pipeline's own config), and the best
+        # first stage alone of those its research space holds (`bestfirst_`, from `rivals`), in research's
+        # verdict and at promotion.
+        gate="best", gate_label="the better of its own first stage alone and the base reranker on it",
+        rivals=(Rival(BEST_FIRST, "the best first stage alone (of those the search space holds)",
+                      "best first stage alone"),),
+        # Scores the reranker moves. Not recall@depth (the first stage's candidates: a deeper trial wins by depth
+        # alone), nor recall@10/recall@100 (a reranker of the top k ≤ 10, or of any k ≤ 100, cannot change them).
+        objectives=(("dev_mrr@10", "maximize"), ("dev_recall@1", "maximize")),
+        notes=(RELEVANCE_NOTE,),
     )
     config_model: ClassVar[type[RerankConfig]] = RerankConfig
 
     def dataset_key(self, cfg: RerankConfig) -> str:
         return super().dataset_key(cfg) + f"|{cfg.max_seq_length}"  # the corpus is chunked to it
+
+    def baseline_key(self, cfg: RerankConfig) -> str:
+        """The baselines are the config's own pipeline's: its evaluation data, the first stage and depth, and the
+        cross-encoder base with its pair length."""
+        s = cfg.first_stage
+        return json.dumps([evaluation_data_key(cfg), list(stage_key(s)), s.depth, cfg.max_pair_length],
+                          sort_keys=True, default=str)
+
+    def rivals(self, cfg: RerankConfig, dataset: RerankDataset, variants: Sequence[RerankConfig]
+               ) -> dict[str, float]:
+        """`bestfirst_`: the best first stage alone among `cfg`'s and those of `variants` (the research space's), on
+        `cfg`'s data."""
+        return best_first_stage(cfg, dataset, [cfg.first_stage, *(v.first_stage for v in variants)])
 
     def base_name(self, cfg: RerankConfig) -> str:
         """The cross-encoder base of the fleet (`served_base`, else `<base name>-ce`): the embedder of the same

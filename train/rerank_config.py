@@ -53,7 +53,9 @@ class RerankConfig(StrictModel):
         "mnrl", description="mnrl: softmax over the positive, its mined negatives and in-batch ones (listwise, the "
         "default: one relevant section per query); bce: pointwise labelled pairs; lambda: LambdaLoss (nDCG).")
     scale: float = Field(10.0, gt=0, description="mnrl: logit scale.")
-    in_batch_negatives: int = Field(4, ge=0, description="mnrl: other queries' documents added as negatives.")
+    in_batch_negatives: int = Field(4, ge=0, description="mnrl: other queries' documents added as negatives per "
+                                    "query, drawn from the batch: 0 none, N that many (all when the batch holds "
+                                    "fewer); null is refused (sentence-transformers would read it as all).")
     learning_rate: float = Field(5e-4, gt=0, lt=1)
     epochs: int = Field(1, ge=1, le=100)
     batch_size: int = Field(16, ge=1, description="Queries per step (each with its positive and negatives).")

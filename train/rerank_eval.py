@@ -76,7 +76,8 @@ def load_reranker(source: str, device: str = "cpu", max_length: int | None = Non
     return model
 
 
-def _stage_key(s: FirstStageSettings, kind: str | None = None) -> tuple[Any, ...]:
+def stage_key(s: FirstStageSettings, kind: str | None = None) -> tuple[Any, ...]:
+    """What makes a first stage's ranking (not its depth, which only decides what the reranker sees)."""
     kind = kind or s.kind
     return (kind, s.embedder if kind in ("dense", "hybrid") else None, s.rrf_k if kind == "hybrid" else None)
 
@@ -84,7 +85,7 @@ def _stage_key(s: FirstStageSettings, kind: str | None = None) -> tuple[Any, ...
 def first_stage_ranking(dataset: RerankDataset, s: FirstStageSettings, split: str, device: str = "cpu",
                         batch_size: int = 64) -> Ranking:
     """The first stage's top TOP_K sections for every query of `split` (cached on the dataset)."""
-    key = (*_stage_key(s), split)
+    key = (*stage_key(s), split)
     if key in dataset.rankings:
         return dataset.rankings[key]
     if s.kind == "hybrid":
@@ -110,7 +111,7 @@ def first_stage_ranking(dataset: RerankDataset, s: FirstStageSettings, split: st
 
 def _stage(dataset: RerankDataset, s: FirstStageSettings, device: str, batch_size: int) -> Any:
     """The BM25 index, or (embedder, corpus embeddings): built once per dataset."""
-    key = _stage_key(s)
+    key = stage_key(s)
     if key not in dataset._stages:
         from lorafleet.train.evaluate import BM25Evaluator, DenseEvaluator
 

@@ -6,6 +6,7 @@ sentence-transformers, bm25s) happen inside the methods, so loading the kind is 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -14,6 +15,22 @@ from lorafleet.metrics import prefixed
 from lorafleet.tasks import EpochCallback, MetricSpec, TaskKind, TrainResult
 from lorafleet.train.config import TrainConfig
 from lorafleet.train.dataset import RetrievalDataset
+
+# Said in every research report of the kinds that rank sections (retrieval, rerank).
+RELEVANCE_NOTE = ("Relevance is binary: each query has its relevant section(s) at grade 1 and every other section at "
+                  "0, so nDCG@10 here rewards ranking a relevant section high; it is not MTEB's nDCG over graded "
+                  "judgements, and the numbers are not comparable with graded benchmarks.")
+# Data fields that shape only the training pairs (negatives), never dev, test or the corpus: no baseline depends
+# on them, so research does not compute the baselines again for a trial that changes only these.
+TRAINING_ONLY_DATA = ("hard_negatives", "num_negatives", "negative_margin", "negative_range_max")
+
+
+def evaluation_data_key(cfg: Any) -> str:
+    """`dataset_key` without TRAINING_ONLY_DATA: configs with the same key are scored on the same data."""
+    data = cfg.data.model_dump(mode="json")
+    for name in TRAINING_ONLY_DATA:
+        data.pop(name, None)
+    return json.dumps([data, cfg.base_model, cfg.max_seq_length], sort_keys=True, default=str)
 
 
 class RetrievalKind(TaskKind):
@@ -27,12 +44,18 @@ class RetrievalKind(TaskKind):
         objective="dev_ndcg@10", direction="maximize", baseline="bm25", baseline_label="BM25", label="nDCG@10",
         table=("test_ndcg@10", "base_test_ndcg@10", "dev_ndcg@10"),
         report=("ndcg@10", "mrr@10", "recall@1", "recall@10", "recall@100", "map@100"),
+        objectives=tuple((f"dev_{m}", "maximize") for m in ("mrr@10", "recall@1", "recall@10", "recall@100",
+                                                             "map@100")),
+        notes=(RELEVANCE_NOTE,),
     )
     config_model: ClassVar[type[TrainConfig]] = TrainConfig
 
     def dataset_key(self, cfg: TrainConfig) -> str:
         # The corpus is chunked to the model's length, so the chunk length shapes the data too.
         return super().dataset_key(cfg) + f"|{cfg.max_seq_length}"
+
+    def baseline_key(self, cfg: TrainConfig) -> str:
+        return evaluation_data_key(cfg)  # the base model and BM25 are scored on dev and test only
 
     def build_dataset(self, cfg: TrainConfig) -> RetrievalDataset:
         from lorafleet.train.dataset import build_dataset

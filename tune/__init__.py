@@ -4,7 +4,8 @@ A private local cluster (nats-server, gateway, one worker) serves the adapter; p
 items, token budget, wait window, batches in flight) are measured one after another under closed
 and open loop load, and the one with the best throughput within the latency objective (and memory
 limit) is recommended. Precision is an axis too: each precision the runtime supports is judged once
-against fp32 by a quality guard (precision.py) and only the qualifying ones are measured. Outputs:
+against fp32 by a quality guard (precision.py; generative specialists: dev ROUGE-L, generation_guard.py) and only
+the qualifying ones are measured. Outputs:
 profile.yaml, results.csv, results.json, precisions.csv, a throughput-vs-p99 plot.
 
 Public API:

@@ -104,6 +104,13 @@ class GenerativeTuneConfig(StrictModel):
     budget_s: float = Field(1200.0, gt=0)
     seed: int = 0
     device: str = "auto"
+    precisions: list[Literal["fp32", "bf16", "fp16"]] | Literal["auto"] = Field(
+        "auto", description="Precisions the engine may serve the base at (fp32, the reference, always runs); auto: "
+        "every one the vllm runtime supports on the device. Each is judged on the dev set first (generation_guard).")
+    precision_max_loss: float = Field(0.005, ge=0, description="Quality guard: the most relative loss of the dev "
+                                      "set's ROUGE-L against fp32 a precision may have (0.005 = 0.5 %), as the "
+                                      "retrieval guard's on nDCG@10.")
+    guard_concurrency: int = Field(8, ge=1, description="Dev prompts in flight while the guard generates.")
 
     @classmethod
     def quick_preset(cls, **overrides: object) -> GenerativeTuneConfig:

@@ -16,6 +16,12 @@ p50/p99 and inter-token latency at the highest concurrency, peak memory of the w
 engine. The recommendation is the highest throughput whose TTFT p99 meets the objective (and the
 memory limit).
 
+Before any of that, the precision (issue 39): the gate scored the specialist in fp32, and vLLM's own CPU default is
+bf16. The worker is started at each precision the engine may serve, the specialist's dev prompts are answered
+through the gateway, and a precision whose dev ROUGE-L falls more than `precision_max_loss` below fp32's is refused
+(generation_guard.py); every profile is then measured at the fastest qualifying one, which the result's profile (so
+the bundle) records and a base under `precision: auto` serves.
+
 The engine's options belong to its base (one engine serves every adapter of a base), so the result
 is a set of `bases[].options` for the fleet file (profile.yaml), not a bundle's batching profile; the
 adapter-cache sizes among them too. The worker keeps as many adapters registered on the engine as the
@@ -32,6 +38,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,13 +46,15 @@ from typing import Any
 import httpx
 import yaml
 
-from lorafleet import settings
+from lorafleet import plugins, settings
 from lorafleet.cluster import ClusterError, LocalCluster
 from lorafleet.config import BaseModelSpec, FleetConfig, GatewayConfig, ServedModel, ServingProfile, WorkerConfig
 from lorafleet.nats_server import free_port
+from lorafleet.precision import FP32
 from lorafleet.tune.analysis import plateaued
 from lorafleet.tune.config import GenerativeTuneConfig, TuneError
-from lorafleet.tune.precision import PrecisionQuality
+from lorafleet.tune.generation_guard import GenerationDev, Messages, chosen_precision, generation_guard
+from lorafleet.tune.precision import PrecisionQuality, candidate_precisions
 from lorafleet.tune.probe import SERVED_NAME, PeakMemory, load_texts
 from lorafleet.tune.report import machine
 from lorafleet.tune.source import TuneSource
@@ -135,9 +144,10 @@ class GenerativeTuneResult:
     baseline_tokens_per_s: float
     wall_s: float
     files: dict[str, Path] = field(default_factory=dict)
-    profile: ServingProfile = field(default_factory=ServingProfile)  # a bundle's own profile: unchanged
-    # The precision guard's verdicts, as TuneResult has them: none here, since the engine's dtype belongs to the
-    # base (`bases[].precision` / `options.dtype`), not to a bundle's profile. Shipping reads it for every kind.
+    # A bundle's own profile: its batching unchanged, its precision the one the guard judged (what shipping
+    # records as the bundle's `precision`, and what a base under `precision: auto` serves it at).
+    profile: ServingProfile = field(default_factory=ServingProfile)
+    # The precision guard's verdicts (generation_guard.py: dev ROUGE-L per precision), as TuneResult has them.
     quality: list[PrecisionQuality] = field(default_factory=list)
 
     @property
@@ -178,12 +188,13 @@ class GenerativeSweeper:
             rank = 16
         self.fixed: Options = {"max_model_len": cfg.max_model_len, "max_lora_rank": max(rank, 8)}
         self.names = [name for name, _ in served_adapters(cfg.adapters)]
+        self.precision = FP32  # the base's precision in the tuning fleet: the guard's, then the judged one
 
     def fleet(self, options: Options) -> FleetConfig:
         base = self.source.base_name
         return FleetConfig(
             bases=[BaseModelSpec(name=base, source=self.source.base_source, revision=self.source.base_revision,
-                                 runtime="vllm", options={**self.fixed, **options})],
+                                 runtime="vllm", precision=self.precision, options={**self.fixed, **options})],
             models=[ServedModel(name=name, base=base, adapter=str(self.source.adapter_dir), adapter_id=adapter_id)
                     for name, adapter_id in served_adapters(self.cfg.adapters)],
             gateway=GatewayConfig(port=0, default_deadline_s=300.0, max_deadline_s=600.0, admit_fraction=None),
@@ -237,6 +248,21 @@ class GenerativeSweeper:
                     raise TuneError(f"the tuning worker did not serve adapter {name} within {timeout:.0f}s ({last})")
                 time.sleep(0.5)
 
+    def generate(self, prompts: list[Messages], max_tokens: int) -> list[str]:
+        """Greedy answers of the specialist's own adapter to `prompts` through the gateway (the served path)."""
+        assert self.cluster is not None
+        url = f"{self.cluster.gateway_url}/v1/chat/completions"
+
+        def one(messages: Messages) -> str:
+            r = httpx.post(url, json={"model": self.names[0], "messages": messages, "max_tokens": max_tokens,
+                                      "temperature": 0}, timeout=600)
+            if r.status_code != 200:
+                raise TuneError(f"the tuning gateway answered HTTP {r.status_code}: {r.text[:300]}")
+            return str(r.json()["choices"][0]["message"]["content"])
+
+        with ThreadPoolExecutor(self.cfg.guard_concurrency) as pool:
+            return list(pool.map(one, prompts))
+
     def measure(self, options: Options, phase: str, restart_s: float) -> GenerativeResult:
         assert self.cluster is not None
         host, port = self.cluster.gateway_url.removeprefix("http://").split(":")
@@ -255,6 +281,33 @@ class GenerativeSweeper:
                                 itl_p50_ms=last["itl_p50_ms"], itl_p99_ms=last["itl_p99_ms"],
                                 peak_rss_mb=mem.peak_rss / 2**20, errors=sum(p.errors for p in points),
                                 restart_s=restart_s, points=[p.summary() for p in points])
+
+
+def judge_precisions(sweeper: GenerativeSweeper, source: TuneSource, cfg: GenerativeTuneConfig, options: Options,
+                     say: Say) -> list[PrecisionQuality]:
+    """The guard (generation_guard.py) on the running tuning cluster: the worker restarted at each candidate
+    precision, the dev prompts answered through the gateway. Candidates: what the vllm runtime supports on the
+    device, among `cfg.precisions`; the worker is left at the last precision generated."""
+    from lorafleet.device import resolve_device
+
+    device = resolve_device(cfg.device)
+    supported = plugins.load(plugins.RUNTIMES, "vllm").precisions(device)
+    measure, rejected = candidate_precisions(cfg.precisions, supported)
+    dev: GenerationDev | None = source.generation
+    if measure != [FP32]:
+        say(f"  precision guard on {device}: {', '.join(measure)} against fp32 on "
+            + (f"{len(dev.prompts)} dev prompts ({dev.metric})" if dev is not None else "no dev set: fp32 only"))
+
+    def generator_at(precision: str) -> Callable[[list[Messages]], list[str]]:
+        if precision != sweeper.precision:
+            sweeper.precision = precision
+            sweeper.apply(normalise(options))
+        return lambda prompts: sweeper.generate(prompts, dev.max_tokens if dev is not None else cfg.max_tokens)
+
+    verdicts = generation_guard(measure, generator_at, dev, max_loss=cfg.precision_max_loss)
+    for v in [*verdicts, *rejected]:
+        say(f"    {v.precision:>4}: {'qualifies' if v.qualified else 'disqualified'} — {v.reason}")
+    return [*verdicts, *rejected]
 
 
 def run_generative_tune(source: TuneSource, cfg: GenerativeTuneConfig | None = None, out_dir: Path | None = None,
@@ -302,6 +355,11 @@ def run_generative_tune(source: TuneSource, cfg: GenerativeTuneConfig | None = N
     try:
         say("  starting a private cluster (nats-server, gateway, one worker with a vLLM engine)…")
         sweeper.start(default)
+        quality = judge_precisions(sweeper, source, cfg, default, say)
+        precision = chosen_precision(quality)
+        if sweeper.precision != precision:  # the guard left the worker at its last candidate: back to the judged one
+            sweeper.precision = precision
+            sweeper.apply(normalise(default))
         run_one(default, "baseline", first=True)
         history: list[float] = []
         for seqs in cfg.seqs_grid:
@@ -336,7 +394,8 @@ def run_generative_tune(source: TuneSource, cfg: GenerativeTuneConfig | None = N
     best, meets, reason = picked
     best.recommended = True
     result = GenerativeTuneResult(out_dir, explicit({**sweeper.fixed, **best.options}), meets, reason, results,
-                                  results[0].tokens_per_s, time.monotonic() - t0)
+                                  results[0].tokens_per_s, time.monotonic() - t0,
+                                  profile=ServingProfile(precision=precision), quality=quality)
     result.files = write_generative_outputs(result, cfg, source)
     say(f"recommended options for base {source.base_name}: {result.options} — {reason}: {best.tokens_per_s:.1f} "
         f"tok/s, TTFT p99 {best.ttft_p99_ms} ms; outputs in {out_dir} ({result.wall_s:.0f}s)")
@@ -354,7 +413,9 @@ def write_generative_outputs(result: GenerativeTuneResult, cfg: GenerativeTuneCo
               f"# {result.reason}: {best.tokens_per_s:.1f} output tok/s, TTFT p99 {best.ttft_p99_ms} ms at "
               f"concurrency {max(cfg.concurrencies)}, {cfg.adapters} adapter id(s) in the load\n"
               "# engine options of the base: put them under bases[].options (runtime: vllm) in the fleet file;\n"
-              "# max_cpu_loras is also how many adapters a worker keeps loaded on that base\n")
+              "# max_cpu_loras is also how many adapters a worker keeps loaded on that base\n"
+              f"# judged at {result.profile.precision or FP32} by the quality guard (precisions.csv), measured at it; "
+              "`precision: auto` on the base serves it so\n")
     files["profile"].write_text(header + yaml.safe_dump({"runtime": "vllm", "options": result.options},
                                                         sort_keys=False))
     rows = [r.row() for r in result.results]
@@ -370,7 +431,14 @@ def write_generative_outputs(result: GenerativeTuneResult, cfg: GenerativeTuneCo
             "options": result.options, "meets_slo": result.meets_slo, "reason": result.reason, **best.row()},
         "baseline_tokens_per_s": round(result.baseline_tokens_per_s, 2),
         "profiles": [{**r.row(), "points": r.points} for r in result.results], "wall_s": round(result.wall_s, 1),
+        "precision": result.profile.precision, "precisions": [q.row() for q in result.quality],
     }, indent=2))
+    files["precisions"] = out / "precisions.csv"
+    prows = [q.row() for q in result.quality]
+    with open(files["precisions"], "w", newline="") as fh:
+        pwriter = csv.DictWriter(fh, fieldnames=list(dict.fromkeys(k for row in prows for k in row)) or ["precision"])
+        pwriter.writeheader()
+        pwriter.writerows(prows)
     import matplotlib
 
     matplotlib.use("Agg")

@@ -7,6 +7,11 @@ mean cosine). A precision qualifies when the relative loss of nDCG@10 stays with
 min cosine at or above `precision_min_cosine`. Without a dev set only the cosine check runs, on the fixed probe
 sentences of `lorafleet.precision`. A precision the runtime cannot run, or that cannot take the adapter (int8's
 dynamic quantisation), is disqualified with that reason; disqualified precisions stay in the report's table.
+
+What the nDCG@10 measures (issue 39): the pipeline's dev set (`pipeline.dev_set_for`) holds each section's first
+chunk, ≤ 400 sections, ≤ 200 queries; the guard ranks those by cosine. It measures how far a precision moves that
+ranking against fp32's on the same texts (only the relative loss is used), not the report's MaxP nDCG@10 over every
+chunk of the full corpus, whose absolute values differ. The generative sweep's guard is generation_guard.py.
 """
 
 from __future__ import annotations
@@ -47,15 +52,19 @@ class PrecisionQuality:
     precision: str
     qualified: bool
     reason: str
-    ndcg: float | None = None  # nDCG@10 on the dev set (None: no dev set, or not measured)
-    loss: float | None = None  # relative loss of nDCG@10 against fp32 (negative: a gain)
+    ndcg: float | None = None  # the dev metric (nDCG@10; generative: ROUGE-L), None: no dev set, or not measured
+    loss: float | None = None  # relative loss of the dev metric against fp32 (negative: a gain)
     min_cosine: float | None = None
     mean_cosine: float | None = None
+    metric: str = "ndcg@10"  # what `ndcg` holds (the generative guard's: rouge_l, generation_guard.py)
+    agreement: float | None = None  # generative: the share of dev answers identical to fp32's
 
     def row(self) -> dict[str, Any]:
-        return {"precision": self.precision, "qualified": self.qualified, "quality_reason": self.reason,
-                "dev_ndcg@10": _r(self.ndcg), "quality_loss": _r(self.loss), "min_cosine": _r(self.min_cosine),
-                "mean_cosine": _r(self.mean_cosine)}
+        row = {"precision": self.precision, "qualified": self.qualified, "quality_reason": self.reason,
+               f"dev_{self.metric}": _r(self.ndcg), "quality_loss": _r(self.loss)}
+        if self.metric == "ndcg@10":
+            return {**row, "min_cosine": _r(self.min_cosine), "mean_cosine": _r(self.mean_cosine)}
+        return {**row, "equal_to_fp32": _r(self.agreement)}
 
 
 def _r(v: float | None) -> float | None:

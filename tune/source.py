@@ -13,6 +13,7 @@ from lorafleet.adapters import recorded_base
 from lorafleet.config import ServingProfile
 from lorafleet.models import base_name_for, resolve_model_source
 from lorafleet.tune.config import TuneError
+from lorafleet.tune.generation_guard import GenerationDev
 from lorafleet.tune.precision import DevSet
 
 
@@ -27,6 +28,7 @@ class TuneSource:
     label: str
     profile: ServingProfile | None = None  # the bundle's current profile, if it came from one
     dev: DevSet | None = None  # the bundle's dev set: the precision guard scores nDCG@10 on it (else probe sentences)
+    generation: GenerationDev | None = None  # a generative bundle's dev prompts: the guard scores ROUGE-L on them
 
 
 def from_adapter_dir(path: Path, base: str | None = None, label: str | None = None,

@@ -198,7 +198,8 @@ def run_tune(source: TuneSource, cfg: TuneConfig | None = None, out_dir: Path | 
         if generative is None:
             generative = GenerativeTuneConfig.quick_preset() if cfg.quick else GenerativeTuneConfig()
             generative = generative.model_copy(update={"memory_gb": cfg.memory_gb, "device": cfg.device,
-                                                       "slo_ttft_p99_ms": cfg.slo_ttft_p99_ms})
+                                                       "slo_ttft_p99_ms": cfg.slo_ttft_p99_ms,
+                                                       "precision_max_loss": cfg.precision_max_loss})
         return run_generative_tune(source, generative, out_dir, say)
     say = say or (lambda text: print(text, file=sys.stderr, flush=True))
     stamp = time.strftime("%Y%m%d-%H%M%S")

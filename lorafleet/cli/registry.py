@@ -146,8 +146,10 @@ def promote(
     name: str = typer.Argument(..., help="Registered model name (= the served name)."),
     version: str = typer.Option(None, "--version", "-v", help="Version (default: alias 'candidate', else newest)."),
     force: bool = typer.Option(False, "--force", help="Skip the quality gate."),
-    margin: float = typer.Option(None, "--margin", help="Required relative gain of the headline metric over the "
-                                 "base model, e.g. 0.02 for 2 % (default: $LORAFLEET_PROMOTE_MARGIN, else 0)."),
+    margin: float = typer.Option(None, "--margin", help="Required relative gain of the headline metric over what "
+                                 "its kind's gate compares with, e.g. 0.02 for 2 % (default: "
+                                 "$LORAFLEET_PROMOTE_MARGIN, else the margin research recorded in the bundle, else "
+                                 "2 %)."),
     nats_url: str = typer.Option(None, "--nats-url", help="Cluster to update (default: LORAFLEET_HOME/cluster.json)."),
     fleet: Path = typer.Option(None, "--fleet", help="Fleet YAML of that cluster (to check its base models)."),
     creds: Path = typer.Option(None, "--creds", help=CREDS_HELP),
@@ -250,8 +252,10 @@ def promote(
     gate = out.gate
     if gate is not None and gate.ok:
         vs_champ = f", champion {gate.champion_score:.4f}" if gate.champion_score is not None else ""
-        typer.echo(f"gate passed: {gate.metric} {gate.score:.4f} ({gate.against} {gate.base_score:.4f}, "
-                   f"relative margin {gate.margin:.1%}{vs_champ})")
+        rivals = "".join(f", {p} {v:.4f}" for p, v in gate.rivals.items())
+        typer.echo(f"gate passed: {gate.metric} {gate.score:.4f} ({gate.against} {gate.base_score:.4f}{rivals}, "
+                   f"relative margin {gate.margin:.1%}"
+                   f"{f' ({gate.margin_source})' if gate.margin_source else ''}{vs_champ})")
     elif gate is not None:
         typer.secho("gate FAILED but --force given: " + "; ".join(gate.reasons), fg=typer.colors.YELLOW)
     was = f" (was v{out.previous})" if out.previous and out.previous != out.version else ""
@@ -356,7 +360,9 @@ def _said_repaired(found: Agreement | None) -> None:
 def check_cmd(
     name: str = typer.Argument(..., help="Registered model name (= the served name)."),
     repair: bool = typer.Option(False, "--repair", help="Make the fleet state and the champion history follow "
-                                "the champion alias when they disagree (under the name's promote lock)."),
+                                "the champion alias when they disagree (under the name's promote lock); when the "
+                                "alias names a version the fleet took out (an aborted canary), the alias follows "
+                                "the fleet instead."),
     nats_url: str = typer.Option(None, "--nats-url", help="Cluster to check (default: LORAFLEET_HOME/cluster.json)."),
     fleet: Path = typer.Option(None, "--fleet", help="Fleet YAML of that cluster."),
     creds: Path = typer.Option(None, "--creds", help=CREDS_HELP),

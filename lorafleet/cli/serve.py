@@ -209,8 +209,10 @@ def embed(
 def rerank(
     query: str = typer.Argument(..., help="The query to rank the documents against."),
     documents: list[str] = typer.Argument(..., help="Documents to rank."),
-    model: str = typer.Option(..., "--model", "-m", help="Served name of a reranker (a cross-encoder base or a "
-                              "bundle on one)."),
+    model: str = typer.Option(..., "--model", "-m", help="Served name of a reranker: a promoted rerank specialist, "
+                              "or a cross-encoder base whose checkpoint ships its score head (a base whose head is "
+                              "drawn at load, as the default fleet's all-MiniLM-L6-v2-ce, is refused with what to "
+                              "do)."),
     top_n: int = typer.Option(None, "--top-n", help="Print only the N best documents."),
     url: str = typer.Option(None, "--url", help="Gateway URL (default: the local cluster's, else :8080)."),
     as_json: bool = typer.Option(False, "--json", help="Print the full JSON response."),
@@ -251,9 +253,18 @@ def gateway(ctx: typer.Context) -> None:
     raise typer.Exit(main(list(ctx.args)))
 
 
+def layout(ctx: typer.Context) -> None:
+    """Apply the NATS layout with the admin credential, then re-create any stream or bucket that is lost (what
+    `lorafleet up` does in its own process): the options of `python -m lorafleet.layout` (--help lists them)."""
+    from lorafleet.layout import main
+
+    raise typer.Exit(main(list(ctx.args)))
+
+
 def register(app: typer.Typer) -> None:
     app.command("worker", context_settings=_PASS_THROUGH)(worker)
     app.command("gateway", context_settings=_PASS_THROUGH)(gateway)
+    app.command("layout", context_settings=_PASS_THROUGH)(layout)
     app.command("up")(up)
     app.command("down")(down)
     app.command("status")(status)

@@ -72,6 +72,7 @@ def status(
 
             for c in info["canaries"]:  # who watches: the spec's watcher, only while it is heard and its window runs
                 c["watch"] = watch_line(c, info.get("cluster") or {})
+            _route_keys(info["nats_url"], state, client, info["canaries"], listen)
     if state is not None:
         info["processes"] = processes(home, state)
         info["gateway_url"] = state.gateway_url
@@ -95,6 +96,75 @@ def _canaries(url: str, state: Any, client: Any, shadows: bool = False) -> list[
         return asyncio.run(read(url, client or control_client(state)))
     except Exception as exc:  # the rest of the status is still worth showing
         return {"error": str(exc)}
+
+
+# A canary splits by route key: when one key carries most of its requests (every client behind one proxy that
+# uvicorn does not trust, say), its share is 0 % or 100 % of that traffic, whatever the percentage (issue 38).
+ONE_KEY_SHARE = 0.5
+ONE_KEY_MIN_REQUESTS = 20  # fewer requests say nothing about how keys spread
+
+
+def route_key_line(figures: dict[str, Any] | None) -> str | None:
+    """The warning for a canary's route-key figures (`_route_keys`), or None when its keys spread."""
+    if not figures or figures["requests"] < ONE_KEY_MIN_REQUESTS or figures["top_share"] <= ONE_KEY_SHARE:
+        return None
+    fix = {"address": "clients share an address: behind a proxy, start the gateway with --forwarded-allow-ips "
+                      "<the proxy's address>, or have clients send X-Lorafleet-Route-Key or their own API keys",
+           "api-key": "clients share one API key: give each client its own, or have them send X-Lorafleet-Route-Key",
+           "header": "clients send the same X-Lorafleet-Route-Key: make it per user or per session"}
+    return (f"one route key ({figures['top_source']}) carries {100 * figures['top_share']:.0f} % of the "
+            f"{figures['requests']} requests the split decided, so this canary gets 0 % or 100 % of them; "
+            f"{fix.get(figures['top_source'], fix['address'])}")
+
+
+def _route_keys(url: str, state: Any, client: Any, canaries: list[dict[str, Any]], listen_s: float) -> None:
+    """Each canary's requests by route key as the gateways counted them (their stats messages), and the warning
+    when one key carries most of them: `route_keys` and `route_key_warning` on each canary's dict."""
+    import asyncio
+
+    from lorafleet.registry.promote import control_client
+    from lorafleet.serve.routekeys import busiest_share
+
+    try:
+        latest = asyncio.run(_gateway_stats(url, client or control_client(state), listen_s))
+    except Exception as exc:  # the rest of the status is still worth showing
+        for c in canaries:
+            c["route_keys"] = {"error": str(exc)}
+        return
+    for c in canaries:
+        busiest = busiest_share([t for s in latest.values()
+                                 if (t := s.route_keys.get((c["name"], str(c["canary"])))) is not None])
+        if busiest is None:
+            c["route_keys"] = None
+            continue
+        share, source, requests = busiest
+        c["route_keys"] = {"requests": requests, "top_share": round(share, 4), "top_source": source}
+        c["route_key_warning"] = route_key_line(c["route_keys"])
+
+
+async def _gateway_stats(url: str, client: Any, listen_s: float) -> dict[str, Any]:
+    """The latest stats message of every gateway heard within `listen_s` (each speaks once a second)."""
+    import asyncio
+
+    import nats
+
+    from lorafleet.heartbeats import GatewayStats, subscribe_stats
+    from lorafleet.nats_client import server_urls
+
+    latest: dict[str, GatewayStats] = {}
+
+    def keep(stats: GatewayStats) -> None:
+        if stats.gateway not in latest or latest[stats.gateway].ts <= stats.ts:
+            latest[stats.gateway] = stats
+
+    nc = await asyncio.wait_for(nats.connect(server_urls(url), connect_timeout=2, max_reconnect_attempts=0,
+                                             allow_reconnect=False, **client.options()), 6.0)
+    try:
+        await subscribe_stats(nc, keep)
+        await asyncio.sleep(listen_s)  # listening is the point
+    finally:
+        await nc.drain()
+    return latest
 
 
 def _fail(message: str, code: int = 1) -> None:
@@ -147,6 +217,8 @@ def _print(info: dict[str, Any], state: Any) -> None:
         watch = c.get("watch", "nobody watches")
         typer.echo(f"  {c['name']:<20} champion v{c['champion']} {c['champion_percent']:g} %  canary v{c['canary']} "
                    f"{c['percent']:g} %  {watch}")
+        if c.get("route_key_warning"):
+            typer.secho(f"    warning: {c['route_key_warning']}", err=True, fg=typer.colors.YELLOW)
     shadows = info.get("shadows", [])
     if shadows:
         typer.echo("shadows (from the fleet state; figures from the gateways so far):")

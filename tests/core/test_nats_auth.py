@@ -20,7 +20,16 @@ from typing import Any
 import nats
 import pytest
 from nats.aio.client import Client
-from nats.js.api import KeyValueConfig
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    KeyValueConfig,
+    RePublish,
+    StreamConfig,
+    StreamSource,
+    SubjectTransform,
+)
 
 from lorafleet.config import QueueConfig
 from lorafleet.nats_auth import (
@@ -42,7 +51,7 @@ from lorafleet.nats_auth import (
 )
 from lorafleet.nats_server import NatsServer
 from lorafleet.nats_tls import issue_certificate, make_self_signed_ca
-from lorafleet.queue import dlq_stream_config, ensure_consumer, ensure_streams, work_stream_config
+from lorafleet.queue import ensure_consumer, ensure_streams, work_stream_config
 from lorafleet.testing import flush_nats
 from lorafleet.wire import (
     FLEET_KV_BUCKET,
@@ -411,38 +420,135 @@ async def test_gateway_publishes_work_and_cannot_answer_read_or_destroy(server: 
     assert (await layout.jetstream().stream_info(QUEUE.stream)).state.messages == 0
 
 
-async def test_gateway_creates_missing_streams_but_cannot_reconfigure_them(server: NatsServer, connect: Any) -> None:
-    gateway, errors = await connect("gateway")
-    js = gateway.jetstream()
-    await ensure_streams(js, QUEUE)  # self-healing on an empty server: both streams are created
-    assert (await js.stream_info(QUEUE.dlq_stream)).config.name == QUEUE.dlq_stream
-    kv = await js.create_key_value(KeyValueConfig(bucket=FLEET_KV_BUCKET, history=16))  # and the fleet bucket
-    await refused(errors, kv.put("german-legal", b"{}"), f"$KV.{FLEET_KV_BUCKET}")  # which it only reads
-    # Once they exist, ensure_streams leaves them as they are (update=False, the default) ...
-    before = len(errors.violations())
-    assert await ensure_streams(js, QUEUE, bases=[BASE]) is False
-    assert len(errors.violations()) == before
-    # ... for updating them (like purging and deleting) is admin's, as `lorafleet up` does.
-    await refused(errors, js.update_stream(dlq_stream_config(QUEUE)), f"STREAM.UPDATE.{QUEUE.dlq_stream}")
-
-
-async def test_a_worker_cannot_create_streams_it_waits_for_them(server: NatsServer, connect: Any) -> None:
+async def test_gateways_and_workers_cannot_create_streams_they_wait_for_them(server: NatsServer, connect: Any) -> None:
     from lorafleet.queue import stream_exists, wait_for_stream
 
-    worker, errors = await connect("worker")
-    js = worker.jetstream()
-    assert not await stream_exists(js, QUEUE.stream)
-    await refused(errors, js.add_stream(work_stream_config(QUEUE, [BASE])), f"STREAM.CREATE.{QUEUE.stream}")
-    waiting = asyncio.create_task(wait_for_stream(js, QUEUE.stream, poll_s=0.05))
     admin, _ = await connect("admin")
+    for role in ("gateway", "worker"):
+        nc, errors = await connect(role)
+        js = nc.jetstream()
+        assert not await stream_exists(js, QUEUE.stream)
+        await refused(errors, js.add_stream(work_stream_config(QUEUE, [BASE])), f"STREAM.CREATE.{QUEUE.stream}")
+        await refused(errors, js.create_key_value(KeyValueConfig(bucket=FLEET_KV_BUCKET)), f"STREAM.CREATE.{KV_STREAM}")
+        waiting = asyncio.create_task(wait_for_stream(js, QUEUE.stream, poll_s=0.05))
+        assert await ensure_streams(admin.jetstream(), QUEUE, bases=[BASE], max_age_s=40.0, update=True)
+        await asyncio.wait_for(waiting, WAIT_S)
+        if role == "worker":
+            assert await ensure_consumer(js, BASE, QUEUE) == consumer_name(BASE)
+        await admin.jetstream().delete_stream(QUEUE.stream)
+        await admin.jetstream().delete_stream(QUEUE.dlq_stream)
     assert await ensure_streams(admin.jetstream(), QUEUE, bases=[BASE], max_age_s=40.0, update=True)
-    await asyncio.wait_for(waiting, WAIT_S)
-    assert await ensure_consumer(js, BASE, QUEUE) == consumer_name(BASE)
     info = await admin.jetstream().stream_info(QUEUE.stream)
     # Only the served bases' subjects, each bounded on its own, and nothing older than the largest deadline.
     assert info.config.subjects == [work_subject(BASE)] and info.config.max_age == 40.0
     assert info.config.duplicate_window == 40.0  # JetStream wants it within the max age
     assert info.config.max_msgs_per_subject == QUEUE.max_msgs and info.config.discard_new_per_subject
+
+
+# ---- side doors into the fleet file (issue 38) -----------------------------------------------------
+
+NON_ADMIN = ("gateway", "worker", "control", "worker-gpu3")  # worker-gpu3: a remote worker's `creds add`
+
+
+def _reaching_the_fleet_file(name: str, subject: str) -> list[StreamConfig]:
+    """Stream configs named `name` that reach the fleet file's bucket: a RePublish into its key (stored there, as
+    a probe showed before the fix), a Source of it transformed onto that key, a Mirror of it."""
+    from lorafleet.fleet_state import FLEET_CONFIG_KEY
+    from lorafleet.wire import FLEET_CONFIG_KV_BUCKET
+
+    key = f"$KV.{FLEET_CONFIG_KV_BUCKET}.{FLEET_CONFIG_KEY}"
+    config_stream = f"KV_{FLEET_CONFIG_KV_BUCKET}"
+    return [
+        StreamConfig(name=name, subjects=[subject], republish=RePublish(src=subject, dest=key)),
+        StreamConfig(name=name, subjects=[subject], sources=[StreamSource(
+            name=config_stream, subject_transforms=[SubjectTransform(src=key, dest=key)])]),
+        StreamConfig(name=name, mirror=StreamSource(name=config_stream)),
+    ]
+
+
+async def test_only_admin_creates_or_changes_a_stream_whatever_its_config(server: NatsServer, creds_dir: Path,
+                                                                          connect: Any) -> None:
+    """NATS permissions name a stream, never its config, and a stream's creator chooses the config: a gateway that
+    could create a lost work stream could give it a RePublish into the fleet file workers trust. So no role but
+    admin may create or update any stream, missing or present; admin (`lorafleet up`) still may."""
+    from lorafleet.cluster import apply_layout
+    from lorafleet.config import BaseModelSpec, FleetConfig
+    from lorafleet.fleet_state import FLEET_CONFIG_KEY
+    from lorafleet.wire import FLEET_CONFIG_KV_BUCKET
+
+    add_credential(creds_dir, "worker-gpu3")
+    server.reload()
+    fleet = FleetConfig(bases=[BaseModelSpec(name=BASE)])
+    await apply_layout(server.url, server.client_options("admin"), fleet)
+    admin, _ = await connect("admin")
+    ajs = admin.jetstream()
+    config_kv = await ajs.key_value(FLEET_CONFIG_KV_BUCKET)
+    original = (await config_kv.get(FLEET_CONFIG_KEY)).value
+    streams = {QUEUE.stream: work_subject(BASE), QUEUE.dlq_stream: dlq_subject(BASE),
+               KV_STREAM: f"$KV.{FLEET_KV_BUCKET}.x", "STOLEN": "stolen.x"}
+    lost = (QUEUE.stream, QUEUE.dlq_stream, KV_STREAM)
+    for role in NON_ADMIN:
+        nc, errors = await connect(role)
+        js = nc.jetstream()
+        for name in lost:  # present: reconfiguring them is refused
+            for config in _reaching_the_fleet_file(name, streams[name]):
+                await refused(errors, js.update_stream(config), f"STREAM.UPDATE.{name}")
+        for name in lost:  # lost, as a memory store after a restart: creating them is refused too
+            await ajs.delete_stream(name)
+        for name, subject in streams.items():
+            for config in _reaching_the_fleet_file(name, subject):
+                await refused(errors, js.add_stream(config), f"STREAM.CREATE.{name}")
+        assert {s.config.name for s in await ajs.streams_info()} == {f"KV_{FLEET_CONFIG_KV_BUCKET}"}, role
+        await apply_layout(server.url, server.client_options("admin"), fleet)
+    # Admin may: a stream that republishes onto the fleet file's key. Even so the fleet file stays as admin wrote
+    # it: its bucket is sealed, so nothing sent there is stored.
+    republishing = _reaching_the_fleet_file("STOLEN", "stolen.x")[0]
+    assert (await ajs.add_stream(republishing)).config.republish is not None
+    await ajs.publish("stolen.x", b'{"bases": [{"name": "forged"}]}')
+    entry = await config_kv.get(FLEET_CONFIG_KEY)
+    assert entry.value == original
+    assert entry.revision == (await ajs.stream_info(f"KV_{FLEET_CONFIG_KV_BUCKET}")).state.last_seq
+
+
+async def test_no_answer_or_delivery_reaches_the_fleet_file(server: NatsServer, creds_dir: Path,
+                                                            connect: Any) -> None:
+    """Every client names its reply subjects, and publish permissions do not cover them: a JetStream API request
+    with the reply `$KV.<config bucket>._fleet` had the server store its answer as the fleet file (before the
+    bucket was sealed). Nor may a consumer any role may create (a KV watch's, a worker's) deliver into it."""
+    from lorafleet.cluster import apply_layout
+    from lorafleet.config import BaseModelSpec, FleetConfig
+    from lorafleet.fleet_state import FLEET_CONFIG_KEY, fetch_fleet_config
+    from lorafleet.wire import FLEET_CONFIG_KV_BUCKET
+
+    add_credential(creds_dir, "worker-gpu3")
+    server.reload()
+    fleet = FleetConfig(bases=[BaseModelSpec(name=BASE)])
+    await apply_layout(server.url, server.client_options("admin"), fleet)
+    admin, _ = await connect("admin")
+    config_stream = f"KV_{FLEET_CONFIG_KV_BUCKET}"
+    key = f"$KV.{FLEET_CONFIG_KV_BUCKET}.{FLEET_CONFIG_KEY}"
+    before = await admin.jetstream().stream_info(config_stream)
+    fleet_kv = await admin.jetstream().key_value(FLEET_KV_BUCKET)
+    await fleet_kv.put("german-legal", b'{"bases": [{"name": "forged"}]}')  # what control may write
+    # Admin listens on the key, as anyone with the right might: that interest also lets a push consumer deliver.
+    sent_there = await admin.subscribe(key)
+    await flush_nats(admin)
+    for role in NON_ADMIN:
+        nc, errors = await connect(role)
+        for request in (f"$JS.API.STREAM.INFO.{KV_STREAM}", "$JS.API.INFO"):  # two answers
+            await nc.publish(request, b"", reply=key)
+        await nc.publish(f"$JS.API.DIRECT.GET.{KV_STREAM}", b'{"last_by_subj": "$KV.%s.german-legal"}'
+                         % FLEET_KV_BUCKET.encode(), reply=key)  # none: the bucket serves no direct gets
+        push = ConsumerConfig(deliver_subject=key, filter_subject=f"$KV.{FLEET_KV_BUCKET}.german-legal",
+                              deliver_policy=DeliverPolicy.LAST, ack_policy=AckPolicy.NONE)
+        await nc.jetstream().add_consumer(KV_STREAM, push)  # allowed (a KV watch is one): one delivery
+        for _ in range(3):  # the server has sent all three to the key
+            await sent_there.next_msg(timeout=WAIT_S)
+        assert errors.violations() == [], role
+    stored = (await admin.jetstream().stream_info(config_stream)).state.last_seq - before.state.last_seq
+    assert stored == 0, f"{stored} answers or deliveries were stored as the fleet file"
+    got = await asyncio.to_thread(fetch_fleet_config, server.url, server.client_options("worker-gpu3"))
+    assert [b.name for b in got.bases] == [BASE]
 
 
 def test_client_settings_flag_beats_environment_beats_fleet_file(tmp_path: Path, creds_dir: Path) -> None:
@@ -568,7 +674,9 @@ def test_the_permission_table_keeps_destruction_for_admin() -> None:
         for subject in perms.publish:
             if subject == take_back.get(role):
                 continue
-            assert not any(verb in subject for verb in ("DELETE", "PURGE", "UPDATE", "SNAPSHOT", "RESTORE")), subject
+            # No STREAM.CREATE either: its config could republish anywhere (issue 38); admin's keeper heals.
+            assert not any(verb in subject for verb in ("DELETE", "PURGE", "UPDATE", "SNAPSHOT", "RESTORE",
+                                                        "STREAM.CREATE")), subject
             assert subject not in (">", "$JS.API.>", "$JS.>", "$KV.>"), subject
         assert ">" not in perms.subscribe and "_INBOX.>" not in perms.subscribe
 

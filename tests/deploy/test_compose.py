@@ -121,6 +121,23 @@ def test_gateway_and_worker_commands(compose: dict[str, Any], deploy_copy: Path)
             assert opts["--host"] == "0.0.0.0"
 
 
+def test_only_the_layout_service_holds_the_admin_credential(compose: dict[str, Any]) -> None:
+    """It creates and heals the streams (no other role may create one: issue 38); nothing else mounts admin.nk."""
+    layout = compose["services"]["layout"]
+    verb, *args = layout["command"]
+    assert verb == "layout"
+    check_flags([layout["command"]], {"layout": accepted_flags("lorafleet.layout")})
+    opts = options(args)
+    assert opts["--nats-url"] == ",".join(f"nats://{n}:4222" for n in NATS)
+    (secret,) = layout["secrets"]
+    assert opts["--creds"] == f"/run/secrets/{secret['target']}" and secret["target"] == "admin.nk"
+    assert compose["secrets"][secret["source"]]["file"] == "./secrets/creds/admin.nk"
+    assert {"n1", "n2", "n3"} <= set(layout["depends_on"])
+    holders = [n for n, s in compose["services"].items()
+               if any((r if isinstance(r, str) else r["source"]) == secret["source"] for r in s.get("secrets", []))]
+    assert holders == ["layout"]
+
+
 def test_mlflow_serves_artifacts_from_postgres(compose: dict[str, Any]) -> None:
     script = compose["services"]["mlflow"]["command"][0]
     assert "--serve-artifacts" in script and "--port 5000" in script

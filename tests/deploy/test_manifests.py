@@ -136,8 +136,21 @@ def test_gateway_and_workers_connect_to_every_node_with_their_own_credential(doc
 
 def test_commands_use_only_flags_lorafleet_accepts(docs: list[dict[str, Any]]) -> None:
     commands = [_container(d)["args"] for d in by_kind(docs, "Deployment")]
-    assert {c[0] for c in commands} == {"gateway", "worker"}
-    check_flags(commands, {verb: accepted_flags(mod) for verb, mod in MODULE_OF.items()})
+    assert {c[0] for c in commands} == {"gateway", "worker", "layout"}
+    modules = {**MODULE_OF, "layout": "lorafleet.layout"}
+    check_flags(commands, {verb: accepted_flags(mod) for verb, mod in modules.items()})
+
+
+def test_only_the_layout_keeper_mounts_the_admin_credential(docs: list[dict[str, Any]]) -> None:
+    """It creates and heals the streams (no other role may create one: issue 38); no other pod gets admin.nk."""
+    layout = _one(docs, "Deployment", "layout")
+    opts = options(_container(layout)["args"][1:])
+    assert Path(opts["--creds"]).name == "admin.nk"
+    assert _one(docs, "Secret", "admin-creds-")["data"].keys() == {"admin.nk"}
+    for dep in by_kind(docs, "Deployment"):
+        secrets = {v["secret"]["secretName"] for v in dep["spec"]["template"]["spec"]["volumes"] if "secret" in v}
+        holds_admin = any(name.startswith("admin-creds-") for name in secrets)
+        assert holds_admin == (dep["metadata"]["name"] == "layout"), dep["metadata"]["name"]
 
 
 def test_keda_scales_each_worker_on_its_base_consumer(docs: list[dict[str, Any]]) -> None:
@@ -185,6 +198,8 @@ def test_monitoring_is_reachable_only_by_keda(docs: list[dict[str, Any]]) -> Non
 
 def test_metrics_are_annotated_for_prometheus(docs: list[dict[str, Any]]) -> None:
     for dep in by_kind(docs, "Deployment"):
+        if dep["metadata"]["name"] == "layout":
+            continue  # the layout keeper serves nothing, metrics included
         notes = dep["spec"]["template"]["metadata"]["annotations"]
         ports = {p["containerPort"] for p in _container(dep)["ports"]}
         assert notes["prometheus.io/scrape"] == "true" and int(notes["prometheus.io/port"]) in ports

@@ -85,8 +85,12 @@ def test_attacks_on_a_running_fleet_fail(tmp_path: Path) -> None:
         asyncio.run(_forged_fleet_entry(c))
         until(lambda: httpx.get(f"{c.gateway_url}/v1/models").text.count("german-legal") > 0, 10, "route")
         r = embed(c, "german-legal")
-        assert r.status_code == 503 and "not allowed on this worker" in r.text, r.text
-        assert "/etc" in r.text and "exist" not in r.text  # nothing said about whether the path exists
+        assert r.status_code == 503 and r.json()["error"]["code"] == "adapter_unavailable", r.text
+        assert "/etc" not in r.text and "not allowed" not in r.text  # the worker's text stays inside (issue 38)
+        request_id = r.json()["error"]["request_id"]
+        logged = [line for line in c.log_path("gateway").read_text(errors="replace").splitlines() if request_id in line]
+        assert logged and "not allowed on this worker" in logged[0] and "/etc" in logged[0], logged
+        assert "exist" not in logged[0]  # nothing said, even to the operator, about whether the path exists
 
 
 def test_a_tls_cluster_serves_and_refuses_plain_connections(tmp_path: Path) -> None:
@@ -304,7 +308,7 @@ def test_memory_store_lost_with_its_server_heals(tmp_path: Path) -> None:
                      "recovery after a memory-store restart")
         print(f"\nmemory store lost: serving again {took:.2f}s after nats-server came back")
 
-        async def bucket() -> bool:  # the gateway created the fleet bucket again, so `promote` works again
+        async def bucket() -> bool:  # admin's layout keeper made the fleet bucket again: `promote` works again
             admin = await connect_as(c, "admin")
             try:
                 await admin.jetstream().key_value(FLEET_KV_BUCKET)

@@ -20,6 +20,7 @@ from lorafleet.config import BaseModelSpec, FleetConfig, WorkerConfig
 from lorafleet.fleet_state import FleetEntry, ensure_fleet_bucket, read_entries
 from lorafleet.registry import promote as prom
 from lorafleet.registry import store
+from lorafleet.registry.writes import Killed, interrupted_after
 
 pytestmark = pytest.mark.integration
 
@@ -97,13 +98,8 @@ def test_two_promotes_of_one_name_at_once_one_wins(nats_server, fleet_file: Path
         assert store.champion_history("legal") == ["1", "2", "3"]
 
 
-class Crash(BaseException):
-    """Stands for the process dying: no `except Exception` undo runs."""
-
-
 def test_a_crash_between_alias_and_fleet_state_is_repaired(nats_server, fleet_file: Path, tiny_adapter: Path,
-                                                           tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
-                                                           ) -> None:
+                                                           tiny_model_dir: Path) -> None:
     url = nats_server.url
     asyncio.run(_entries(url, create=True))
     for score in (0.40, 0.45, 0.46):
@@ -111,16 +107,9 @@ def test_a_crash_between_alias_and_fleet_state_is_repaired(nats_server, fleet_fi
     no_preload = prom.Preload(enabled=False)
     prom.promote("legal", "1", nats_url=url, fleet_file=fleet_file, preload=no_preload)
 
-    real_set_alias = store.set_alias
-
-    def set_alias_then_die(name: str, alias: str, version: str | int) -> None:
-        real_set_alias(name, alias, version)
-        raise Crash("killed after the alias moved, before the fleet state was written")
-
-    monkeypatch.setattr(store, "set_alias", set_alias_then_die)
-    with pytest.raises(Crash):
+    # The process dies right after the alias moved: nothing it would still do (an undo) reaches any store.
+    with interrupted_after("alias", kill=True), pytest.raises(Killed):
         prom.promote("legal", "2", nats_url=url, fleet_file=fleet_file, preload=no_preload)
-    monkeypatch.setattr(store, "set_alias", real_set_alias)
     assert store.alias_version("legal", "champion") == "2"
     assert asyncio.run(_entries(url))["legal"].version == "1"  # the disagreement the crash left
 
@@ -138,10 +127,8 @@ def test_a_crash_between_alias_and_fleet_state_is_repaired(nats_server, fleet_fi
     assert store.champion_history("legal") == ["1", "2"]
 
     # The same crash again; this time the next promote repairs it on its own before it goes on.
-    monkeypatch.setattr(store, "set_alias", set_alias_then_die)
-    with pytest.raises(Crash):
+    with interrupted_after("alias", kill=True), pytest.raises(Killed):
         prom.promote("legal", "3", nats_url=url, fleet_file=fleet_file, preload=no_preload)
-    monkeypatch.setattr(store, "set_alias", real_set_alias)
     out = prom.rollback("legal", nats_url=url, fleet_file=fleet_file, preload=no_preload)
     assert out.repaired, "the rollback says it repaired the fleet state first"
     assert (out.previous, out.version) == ("3", "2")

@@ -76,8 +76,8 @@ def test_study_logs_parent_and_nested_runs(research_yaml: Callable[..., Path], _
     assert result.spread["test_ndcg@10"] == pytest.approx(
         abs(result.winner_metrics["test_ndcg@10"] - result.reseed_metrics["test_ndcg@10"]))
     worst = min(result.winner_metrics["test_ndcg@10"], result.reseed_metrics["test_ndcg@10"])
-    expected_candidate = (result.winner_metrics["dev_ndcg@10"] >= result.baseline["base_dev_ndcg@10"]
-                          and worst >= result.baseline["base_test_ndcg@10"])
+    expected_candidate = (result.winner_metrics["dev_ndcg@10"] > result.baseline["base_dev_ndcg@10"]
+                          and worst > result.baseline["base_test_ndcg@10"])  # margin 0: strictly (a tie is no win)
     assert result.candidate is expected_candidate
     assert parent.data.tags["lorafleet.candidate"] == str(expected_candidate).lower()
     assert parent.data.tags["lorafleet.best_trial"] == str(best.number)

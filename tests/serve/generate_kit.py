@@ -87,7 +87,7 @@ def main():
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
     spec = json.loads(open(sys.argv[1]).read())
-    llm = LLM(model=spec["model"], enable_lora=True, max_loras=2, max_lora_rank=8, dtype="bfloat16",
+    llm = LLM(model=spec["model"], enable_lora=True, max_loras=2, max_lora_rank=8, dtype="float32",
               max_model_len=spec["max_model_len"], enforce_eager=True, seed=0)
     out = {}
     for name, path in [(None, None), *spec["loras"].items()]:

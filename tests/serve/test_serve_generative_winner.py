@@ -1,5 +1,5 @@
 """The generative fleet serves the chosen base with a headings specialist on the vllm runtime, and its greedy
-answers to five test sections equal direct generation with the same prompt tokens.
+answers to ten test sections equal the answers its gate scored and direct generation with the same prompt tokens.
 
 The base, its runtime and engine options come from `configs/fleet-generative.yaml` (whatever base the default
 recipe chose); the task (system prompt, input budget, answer budget) from `configs/german-legal-headings.yaml`.
@@ -7,7 +7,10 @@ The specialist is a small LoRA (random, so that it visibly changes the base's an
 `lorafleet promote` writes a causal-lm bundle: system prompt, chat template and greedy decoding defaults. The
 request carries only the section's text; the gateway adds the system prompt and renders the template. The
 reference renders the prompt with the training side's tokenizer (`load_causal_tokenizer`, the tokens training
-and evaluation use) and generates from those token ids on a direct vLLM engine with the same adapter.
+and evaluation use) and generates from those token ids on a direct vLLM engine with the same adapter, at the
+precision the bundle was judged at (float32: no tune verdict, so `precision: auto` serves fp32; issue 39). The
+gate's answers are `generate_answers` on the transformers model in float32, the path that scores a specialist's
+test ROUGE-L; they are compared after evaluation's cleaning (`clean_answer`), which is what a score reads.
 
 Needs the vLLM venv (`lorafleet runtime install vllm`); skips without it.
 """
@@ -39,8 +42,8 @@ pytestmark = [
 REPO = Path(__file__).resolve().parents[2]
 FLEET = REPO / "configs" / "fleet-generative.yaml"
 TASK = REPO / "configs" / "german-legal-headings.yaml"
-LAWS = ["kschg", "agg", "tzbfg", "prodhaftg"]  # small laws: their test split has more than 5 sections
-N = 5
+LAWS = ["kschg", "agg", "tzbfg", "prodhaftg", "milog", "arbzg", "uwg"]  # small laws: over 10 test sections
+N = 10
 NAME = "headings"
 
 
@@ -63,7 +66,7 @@ def main():
     from vllm.lora.request import LoRARequest
     spec = json.loads(open(sys.argv[1]).read())
     llm = LLM(model=spec["model"], enable_lora=True, max_loras=1, max_lora_rank=spec["max_lora_rank"],
-              dtype="bfloat16", max_model_len=spec["max_model_len"], enforce_eager=True, seed=0)
+              dtype="float32", max_model_len=spec["max_model_len"], enforce_eager=True, seed=0)
     params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0)
     lora = LoRARequest("h", 1, spec["adapter"])
     out = {}
@@ -86,6 +89,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Iterator[
     from lorafleet.causal import resolve_causal_source
     from lorafleet.train.causal_lm import load_causal_base
     from lorafleet.train.generation_config import load_generation_config
+    from lorafleet.train.generation_eval import generate_answers
     from lorafleet.train.headings import HeadingsDataConfig, build_headings
 
     home = tmp_path_factory.mktemp("winner-home")
@@ -106,8 +110,11 @@ def setup(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Iterator[
                                                 target_modules=["q_proj", "v_proj"]))
         adapter = home / "adapters" / "headings-lora"
         lora.save_pretrained(adapter)
+        lora.eval()
+        with torch.no_grad():  # what the gate scored: evaluation's own generation, float32
+            gated = generate_answers(lora, tokenizer, prompts, max_new_tokens=task.max_new_tokens)
         yield {"home": home, "folder": resolve_causal_source(base["source"]), "base": base, "task": task,
-               "tokenizer": tokenizer, "prompts": prompts, "adapter": adapter}
+               "tokenizer": tokenizer, "prompts": prompts, "adapter": adapter, "gated": gated}
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +159,8 @@ def test_served_specialist_equals_direct_generation(cluster: LocalCluster, setup
                                                     reference: dict[str, list[str]]) -> None:
     import openai
 
+    from lorafleet.train.generation_eval import clean_answer
+
     # The first request loads the adapter into the engine; on a loaded 2-core box that alone can take minutes.
     client = openai.OpenAI(base_url=f"{cluster.gateway_url}/v1", api_key="unused", max_retries=0, timeout=900)
     deadline = time.monotonic() + 60
@@ -167,4 +176,6 @@ def test_served_specialist_equals_direct_generation(cluster: LocalCluster, setup
                                            max_tokens=setup["task"].max_new_tokens)
         got.append(r.choices[0].message.content)
     assert got == reference["lora"]
+    assert [clean_answer(a) for a in got] == [clean_answer(a) for a in setup["gated"]], \
+        "the served answers are not the answers the gate scored"
     assert got != reference["base"], "the adapter changed nothing: the test would not see a missing LoRA"

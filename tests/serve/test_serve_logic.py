@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 
 import msgpack
@@ -168,14 +169,22 @@ def test_api_key_check() -> None:
     _raises(lambda: keys.check("Bearer k1k2"), 403, "invalid_api_key")
 
 
-def test_worker_error_mapping() -> None:
-    assert worker_error(wire.ERR_DEADLINE, None, 0, 1).status == 504
-    e = worker_error(wire.ERR_ADAPTER, "no such adapter", 3, 2)
-    assert (e.status, e.headers, e.message) == (503, {"Retry-After": "2"},
-                                                f"input 3: worker reported {wire.ERR_ADAPTER}: no such adapter")
-    assert worker_error(wire.ERR_MALFORMED, None, 0, 1).status == 500
-    assert worker_error(wire.ERR_RUNTIME, None, 0, 1).status == 500
-    assert worker_error("something_new", None, 0, 1).status == 500
+def test_worker_error_mapping(caplog: pytest.LogCaptureFixture) -> None:
+    def failed(code: str, message: str | None = None, index: int = 0) -> wire.Result:
+        return wire.Result("r1.0", index, "w1", error_code=code, error_message=message)
+
+    assert worker_error(failed(wire.ERR_DEADLINE), "r1", 1).status == 504
+    with caplog.at_level(logging.INFO, logger="lorafleet.serve"):
+        e = worker_error(failed(wire.ERR_ADAPTER, "no such adapter /srv/x\nsecond line", 3), "r1", 2)
+    assert (e.status, e.code, e.headers, e.request_id) == (503, "adapter_unavailable", {"Retry-After": "2"}, "r1")
+    assert "/srv/x" not in e.message and "r1" in e.message  # the worker's text is logged, never answered
+    assert any("r1" in rec.getMessage() and "no such adapter /srv/x second line" in rec.getMessage()
+               for rec in caplog.records)
+    assert worker_error(failed(wire.ERR_MALFORMED), "r1", 1).status == 500
+    assert worker_error(failed(wire.ERR_RUNTIME, "MemoryError: alloc_cpu.cpp"), "r1", 1).message.count("alloc") == 0
+    assert worker_error(failed("something_new"), "r1", 1).code == "internal_error"
+    refused = worker_error(failed(wire.ERR_INVALID, "the prompt has 600 tokens; the context is 512"), "r1", 1)
+    assert (refused.status, refused.code) == (400, "invalid_request") and "600 tokens" in refused.message
 
 
 # ---- pending requests --------------------------------------------------------------------------

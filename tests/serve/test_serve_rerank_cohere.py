@@ -1,8 +1,10 @@
 """The Cohere client against a real cluster: `cohere.ClientV2(base_url=…).rerank(...)` reaches /v2/rerank.
 
-A real cluster (nats-server, one worker, the gateway) serves the packaged MiniLM as a cross-encoder base (its
-fresh, seeded head). The client's scores equal CrossEncoder.predict on the same pairs, its results come sorted
-and cut to top_n, and an unknown model is the client's NotFoundError (a 404 as on the other routes).
+A real cluster (nats-server, one worker, the gateway) serves the packaged MiniLM as a cross-encoder, saved with its
+seeded head (a checkpoint that ships its head, as hub cross-encoders do). The client's scores equal
+CrossEncoder.predict on the same pairs, its results come sorted and cut to top_n, and an unknown model is the
+client's NotFoundError (a 404 as on the other routes). The default fleet's `all-MiniLM-L6-v2-ce` (the head drawn at
+load) is refused to the client with a 409 that says to train and promote a rerank specialist (issue 44).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ cohere = pytest.importorskip("cohere")  # in the dev extras; skipped only where 
 pytestmark = pytest.mark.integration
 
 CE = "minilm-ce"
+BASE = "all-MiniLM-L6-v2-ce"  # as configs/fleet.yaml serves it: no head in the checkpoint
 QUERY = "Wer zahlt den Kaufpreis?"
 DOCS = ["Der Käufer ist verpflichtet, dem Verkäufer den vereinbarten Kaufpreis zu zahlen.",
         "Arbeitnehmer haben Anspruch auf bezahlten Erholungsurlaub.",
@@ -30,8 +33,14 @@ DOCS = ["Der Käufer ist verpflichtet, dem Verkäufer den vereinbarten Kaufpreis
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    from lorafleet.models import resolve_model_source
+    from lorafleet.sidecar.ce_runtime import load_cross_encoder
+
+    saved = tmp_path_factory.mktemp("cohere-ce") / CE  # with the head every worker would draw: the same scores
+    load_cross_encoder(resolve_model_source(PACKAGED_MINILM)).save_pretrained(str(saved))
     cfg = FleetConfig.model_validate({
-        "bases": [{"name": CE, "source": PACKAGED_MINILM, "runtime": "cross-encoder"}],
+        "bases": [{"name": CE, "source": str(saved), "runtime": "cross-encoder"},
+                  {"name": BASE, "source": PACKAGED_MINILM, "runtime": "cross-encoder"}],
         "gateway": {"port": 0, "default_deadline_s": 60},
         "worker": {"heartbeat_s": 0.3, "device": "cpu"},
         "queue": {"storage": "memory"},
@@ -77,3 +86,12 @@ def test_cohere_client_unknown_model_is_not_found(client: object) -> None:
     with pytest.raises(cohere.NotFoundError) as info:
         client.rerank(model="no-such-reranker", query=QUERY, documents=DOCS)  # type: ignore[attr-defined]
     assert "no-such-reranker" in str(info.value.body)
+
+
+def test_cohere_client_on_a_drawn_head_base_is_told_what_to_do(client: object) -> None:
+    with pytest.raises(cohere.core.api_error.ApiError) as info:
+        client.rerank(model=BASE, query=QUERY, documents=DOCS, top_n=2)  # type: ignore[attr-defined]
+    assert info.value.status_code == 409, info.value
+    body = info.value.body
+    assert body["error"]["code"] == "untrained_head", body
+    assert "lorafleet promote" in body["error"]["message"] and "research run" in body["error"]["message"]

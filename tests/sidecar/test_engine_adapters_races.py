@@ -80,10 +80,9 @@ class GatedEngine(EngineRuntime):
 
 async def three_loaded_idle(cache: EngineAdapters) -> None:
     """a, b, c loaded (LRU in that order) and idle, one more than capacity 2: a and b were in use when c loaded."""
-    for name in "abc":
-        await cache.acquire(name, f"/{name}")
-    for name in "abc":
-        cache.release(name)
+    epochs = [await cache.acquire(name, f"/{name}") for name in "abc"]
+    for name, epoch in zip("abc", epochs, strict=True):
+        cache.release(name, epoch)
     assert cache.loaded() == ["a", "b", "c"]
 
 
@@ -119,8 +118,7 @@ async def test_an_adapter_wanted_while_it_is_unloaded_is_loaded_again_after_the_
     engine = GatedEngine()
     cache = EngineAdapters(engine, 2, Path)
     for name in "ba":  # LRU: b, a
-        await cache.acquire(name, f"/{name}")
-        cache.release(name)
+        cache.release(name, await cache.acquire(name, f"/{name}"))
     engine.gate.clear()
     load_c = asyncio.create_task(cache.acquire("c", "/c"))
     await engine.until(lambda: engine.unloading == ["b"])
@@ -143,7 +141,7 @@ async def test_random_concurrent_sequences_never_lose_an_adapter_in_use(seed: in
     async def sequence(name: str, start: int, steps: int) -> None:
         for _ in range(start):
             await asyncio.sleep(0)
-        await cache.acquire(name, f"/{name}")
+        epoch = await cache.acquire(name, f"/{name}")
         held[name] = held.get(name, 0) + 1
         try:
             for _ in range(steps):
@@ -152,13 +150,12 @@ async def test_random_concurrent_sequences_never_lose_an_adapter_in_use(seed: in
                 await asyncio.sleep(0)
         finally:
             held[name] -= 1
-            cache.release(name)
+            cache.release(name, epoch)
 
     await asyncio.gather(*(sequence(rng.choice("abcdefg"), rng.randint(0, 60), rng.randint(0, 6))
                            for _ in range(200)))
     assert broken == [] and sorted(cache.loaded()) == sorted(engine.registered)
-    await cache.acquire("z", "/z")  # all idle now: the next load evicts down to capacity
-    cache.release("z")
+    cache.release("z", await cache.acquire("z", "/z"))  # all idle now: the next load evicts down to capacity
     assert sorted(cache.loaded()) == sorted(engine.registered) and len(engine.registered) == 3
 
 

@@ -218,8 +218,7 @@ async def test_engine_adapters_load_once_and_never_evict_one_in_use() -> None:
     cache = EngineAdapters(engine, 2, resolve)
     await asyncio.gather(*(cache.acquire("a", "/a") for _ in range(5)))
     assert resolved == ["/a"] and engine.loaded == ["a"]
-    await cache.acquire("b", "/b")
-    cache.release("b")
+    cache.release("b", await cache.acquire("b", "/b"))
     await cache.acquire("c", "/c")  # a is in use (5 holders): b goes
     assert engine.loaded == ["a", "c"] and cache.loaded() == ["a", "c"]
     with pytest.raises(AdapterUnavailable):
@@ -252,3 +251,93 @@ def test_vllm_cpu_lora_fix_gives_rows_without_an_adapter_no_lora(tmp_path: Path)
     namespace["_lorafleet_fix_lora_ops"](ops)
     ops.bgmv_shrink(x, weights, out, indices)
     assert out.tolist() == [[4.0, 4.0], [0.0, 0.0], [8.0, 8.0]]
+
+
+class RestartingEngine(Engine):
+    """An engine whose sequences follow a script per task id, whose restart forgets every adapter, and which records
+    an adapter unloaded while a sequence streams with it (issue 38, item 6)."""
+
+    def __init__(self) -> None:
+        super().__init__(slots=4)
+        self.registered: set[str] = set()
+        self.streaming: dict[str, str | None] = {}  # task id → adapter, while its sequence runs
+        self.gates = {"t1": asyncio.Event(), "t3": asyncio.Event()}
+        self.restarts = 0
+        self.unloaded_in_use: list[str] = []
+
+    async def restart(self) -> None:
+        self.restarts += 1
+        self.registered.clear()  # a new engine process: nothing loaded
+
+    async def stream(self, item: GenerateInput, adapter_id: str | None) -> AsyncIterator[str | Generated]:
+        self.streaming[item.request_id] = adapter_id
+        try:
+            if item.request_id == "t2":
+                raise EngineDown("engine process exited")
+            if item.request_id in self.gates:
+                await self.gates[item.request_id].wait()
+            if item.request_id == "t1":  # began on the old engine: its stream breaks once that engine is gone
+                raise RuntimeError("the engine's stream broke")
+            yield Generated("done", 1, 1, "stop")
+        finally:
+            del self.streaming[item.request_id]
+
+    async def load_adapter(self, adapter_id: str, path: str) -> None:
+        self.registered.add(adapter_id)
+
+    async def unload_adapter(self, adapter_id: str) -> None:
+        if adapter_id in self.streaming.values():
+            self.unloaded_in_use.append(adapter_id)
+        self.registered.discard(adapter_id)
+
+
+def adapter_task(i: int, adapter: str | None) -> Task:
+    return Task(id=f"t{i}", request_id=f"r{i}", index=0, model="llm", base="llm", text="hi", tokens=2,
+                deadline=time.time() + 30, reply=f"_INBOX.gw.r{i}", op=GENERATE, adapter=adapter,
+                adapter_uri=f"/{adapter}" if adapter else None,
+                params=GenerateParams(max_tokens=4, temperature=0.0).to_params())
+
+
+async def until(cond: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.005)
+
+
+async def test_a_release_from_before_an_engine_restart_does_not_free_a_newer_use() -> None:
+    """t1 holds adapter x on the old engine; t2 kills it (restart: x forgotten); t3 loads x on the new engine and
+    streams; then t1's broken stream releases x. t4 (adapter y, capacity 1) must not evict x from under t3."""
+    engine, nc = RestartingEngine(), Nc()
+    held = HeldTable()
+    settler = Settler(nc, None, QueueConfig(max_deliver=3), "w1", held, {})
+    stop = {"now": False}
+    psub = Psub([])
+    adapters = EngineAdapters(engine, 1, Path)
+    lane = EngineLane("llm", psub, engine, adapters, Intake(held, settler), settler, TextStreams(nc, "w1"),
+                      lambda adapter, uri: uri, lambda: stop["now"])
+    msgs = {i: Msg(adapter_task(i, a)) for i, a in ((1, "x"), (2, None), (3, "x"), (4, "y"))}
+    runner = asyncio.create_task(lane.run())
+    watch = asyncio.create_task(lane.streams.watch())
+    try:
+        psub.msgs.append(msgs[1])
+        await until(lambda: engine.streaming.get("t1") == "x")
+        psub.msgs.append(msgs[2])  # the engine dies under t2; the lane restarts it and resets the adapters
+        await until(lambda: engine.restarts == 1 and adapters.epoch == 1 and lane.ready)
+        psub.msgs.append(msgs[3])
+        await until(lambda: engine.streaming.get("t3") == "x")  # x loaded again, in use by t3
+        engine.gates["t1"].set()  # t1's stream breaks now, after the restart: its release is from the old epoch
+        await until(lambda: bool(msgs[1].settled))
+        psub.msgs.append(msgs[4])
+        await until(lambda: bool(msgs[4].settled))
+        assert engine.unloaded_in_use == []
+        assert "x" in engine.registered and set(adapters.loaded()) == {"x", "y"}  # over capacity while x is in use
+        engine.gates["t3"].set()
+        await until(lambda: all(m.settled for m in msgs.values()))
+    finally:
+        stop["now"] = True
+        for gate in engine.gates.values():
+            gate.set()
+        watch.cancel()
+        await asyncio.wait_for(runner, 5.0)
+    assert msgs[3].settled == ["ack"] and msgs[4].settled == ["ack"] and msgs[1].settled == ["nak"]

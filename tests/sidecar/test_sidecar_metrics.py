@@ -37,12 +37,18 @@ def value(samples: dict, name: str, **labels: str) -> float:
 def test_worker_metrics_server_serves_the_registry_and_closes() -> None:
     metrics = WorkerMetrics(["b1"])
     metrics.task_settled("b1", "ok")
+    for outcome in ("runtime_failed", "runtime_failed", "adapter_unavailable", "cancelled"):
+        metrics.task_settled("b1", outcome)
     metrics.batch_done("b1", 3, 0.02)
     metrics.watch(lambda: 7.0, {"b1": lambda: (2, 8)})
     server = MetricsServer(metrics, "127.0.0.1", 0)
     try:
         samples = scrape(server.url)
         assert value(samples, f"{m.TASKS}_total", base="b1", outcome="ok") == 1.0
+        assert value(samples, f"{m.ERRORS}_total", base="b1", code="runtime_failed") == 2.0  # failures, by code
+        assert value(samples, f"{m.ERRORS}_total", base="b1", code="adapter_unavailable") == 1.0
+        assert not any(name == f"{m.ERRORS}_total" and ("code", c) in labels for (name, labels) in samples
+                       for c in ("ok", "cancelled"))  # flow, not failures
         assert value(samples, f"{m.BATCH_SIZE}_sum", base="b1") == 3.0
         assert value(samples, m.TASKS_IN_FLIGHT) == 7.0
         assert value(samples, m.SLOTS_IN_USE, base="b1") == 2.0 and value(samples, m.SLOTS, base="b1") == 8.0
@@ -88,6 +94,7 @@ def test_a_worker_counts_tasks_batches_and_adapters(tmp_path: Path, tiny_model_d
         after = wait_until(seven_ok, 10.0, "seven tasks settled ok")
         assert value(after, f"{m.TASKS}_total", base=BASE, outcome="ok") == 7.0
         assert value(after, f"{m.TASKS}_total", base=BASE, outcome="deadline") == 1.0
+        assert value(after, f"{m.ERRORS}_total", base=BASE, code="deadline") == 1.0  # the one failure, by its code
         assert value(after, f"{m.BATCH_SIZE}_sum", base=BASE) == 7.0  # the expired task never reached a batch
         assert value(after, f"{m.BATCH_SIZE}_count", base=BASE) >= 3  # base, a and b never share a batch
         assert value(after, f"{m.BATCH_SECONDS}_count", base=BASE) == value(after, f"{m.BATCH_SIZE}_count", base=BASE)

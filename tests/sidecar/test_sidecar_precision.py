@@ -113,13 +113,16 @@ def test_auto_runs_the_guard_once_and_caches_the_verdict(tiny_model_dir: Path, t
     probes: list[str] = []
     real = SentenceTransformerRuntime._probe
 
-    def counted(self: SentenceTransformerRuntime, texts: list[str], at: str) -> np.ndarray:
+    def counted(self: SentenceTransformerRuntime, texts: list[str], at: str, adapter: Path | None = None
+                ) -> np.ndarray:
         probes.append(at)
-        return real(self, texts, at)
+        return real(self, texts, at, adapter)
 
     monkeypatch.setattr(SentenceTransformerRuntime, "_probe", counted)
     with caplog.at_level(logging.INFO, logger="lorafleet.sidecar.st_runtime"):
         first = _runtime(tiny_model_dir, "auto")
+        assert first.precision == "fp32" and probes == []  # decided per served model, once the worker knows them
+        first.use_judged([])  # no model served: the bare base is what it serves
     assert first.precision == "bf16" and probes == ["fp32", "bf16"]  # int8 is never a candidate (no adapters)
     assert "precision auto → bf16 (bf16 min cosine" in caplog.text
     cached = json.loads((tmp_path / "home" / precision.CACHE_FILE).read_text())
@@ -128,6 +131,7 @@ def test_auto_runs_the_guard_once_and_caches_the_verdict(tiny_model_dir: Path, t
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="lorafleet.sidecar.st_runtime"):
         second = _runtime(tiny_model_dir, "auto")
+        second.use_judged([])
     assert second.precision == "bf16" and probes == ["fp32", "bf16"]  # no probe on the second start
     assert "(cached)" in caplog.text
 
@@ -135,7 +139,9 @@ def test_auto_runs_the_guard_once_and_caches_the_verdict(tiny_model_dir: Path, t
 def test_pinned_auto_skips_the_guard(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(precision.AUTO_ENV, "fp32")
     monkeypatch.setattr(SentenceTransformerRuntime, "_probe", lambda *a: pytest.fail("probed"))
-    assert _runtime(tiny_model_dir, "auto").precision == "fp32"
+    rt = _runtime(tiny_model_dir, "auto")
+    rt.use_judged([])
+    assert rt.precision == "fp32"
 
 
 # -- MiniLM, the packaged model (integration) ---------------------------------------------------------------------
@@ -241,7 +247,9 @@ def test_vllm_runtime_passes_the_precision_as_its_dtype(tmp_path: Path) -> None:
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"max_position_embeddings": 512}))
     spec = BaseModelSpec(name="llm", source=str(model), runtime="vllm")
-    assert VllmRuntime(spec, "cpu").config.dtype == "bfloat16"  # auto: vLLM's CPU default, unchanged
+    # auto: what the served models were judged at (use_judged), fp32 until known; no longer vLLM's CPU default
+    # bfloat16, which no gate measured (issue 39, test_sidecar_judged_precision.py)
+    assert VllmRuntime(spec, "cpu").config.dtype == "float32"
     rt = VllmRuntime(spec.model_copy(update={"precision": "fp32"}), "cpu")
     assert rt.config.dtype == "float32" and rt.precision == "fp32"
     with pytest.raises(ConfigError, match="disagree"):

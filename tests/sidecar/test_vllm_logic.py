@@ -228,7 +228,6 @@ async def test_engine_cache_bounds_the_loaded_adapters(cache: int | None, worker
     adapters = EngineAdapters(engine, worker_bound, resolve=Path)
     assert adapters.capacity == kept
     for name in ("a", "b", "c", "d"):
-        await adapters.acquire(name, f"/adapters/{name}")
-        adapters.release(name)
+        adapters.release(name, await adapters.acquire(name, f"/adapters/{name}"))
     assert adapters.loaded() == ["a", "b", "c", "d"][-kept:]  # no unload while the engine can still hold it
     assert [c for c in engine.calls if c.startswith("unload")] == [f"unload {a}" for a in "abcd"[: 4 - kept]]

@@ -40,7 +40,8 @@ def test_converted_base_is_a_normal_folder(smollm2: Path) -> None:
     assert not [n for n in names if n.startswith(".")]  # no temporary folder left behind
     info = json.loads((smollm2 / BASE_INFO_FILE).read_text())
     assert info["quantization"] == "Q4_1" and info["gguf_file"] == "SmolLM2-135M-Instruct.Q4_1.gguf"
-    assert len(info["gguf_sha256"]) == 64 and smollm2.name.endswith(info["gguf_sha256"][:12])
+    assert len(info["gguf_sha256"]) == 64 and smollm2.name.endswith(f"-{info['gguf_sha256'][:12]}-c"
+                                                                     f"{info['converter'][:8]}")
     assert 130e6 < info["parameters"] < 140e6
     described = describe_base(str(smollm2))
     assert described["quantization"] == "Q4_1" and described["gguf_sha256"] == info["gguf_sha256"]

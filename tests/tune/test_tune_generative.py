@@ -81,6 +81,7 @@ class _FakeSweeper:
     def __init__(self, source: TuneSource, cfg: GenerativeTuneConfig, work_dir: Path, say: object) -> None:
         self.fixed = {"max_model_len": 256, "max_lora_rank": 8}
         self.applied: list[dict[str, object]] = []
+        self.precision = "fp32"  # no dev set in these tests: the guard keeps fp32 and generates nothing
 
     def start(self, options: dict[str, object]) -> None:
         self.applied.append(options)
@@ -143,9 +144,11 @@ def test_shipping_a_generative_winner_tunes_and_registers_it(tmp_path: Path, mon
                             winner_metrics={"dev_rouge_l": 0.3, "test_rouge_l": 0.3},
                             baseline={"best_dev_rouge_l": 0.1, "best_test_rouge_l": 0.1}, candidate=True)
     monkeypatch.setattr(generative, "GenerativeSweeper", _FakeSweeper)
+    monkeypatch.setattr(pipeline, "generation_dev_for", lambda *a, **k: None)  # no dev set: the guard keeps fp32
     shipped = pipeline.ship(result, tune_quick=True, say=lambda _: None)
     assert shipped is not None and shipped.profile_source == "tuned" and shipped.tune_dir is not None
     _, spec = store.bundle_spec("gen", shipped.ref.version)
     assert spec.kind == "causal-lm" and spec.metrics["test_rouge_l"] == 0.3
     assert spec.details["train_config"]["base_model"] == str(base)
-    assert "precision_quality" not in spec.details  # no guard ran: the engine's dtype is the base's
+    # Issue 39: the guard ran (no dev set: only fp32 qualifies), and the bundle records the precision it was judged at.
+    assert spec.precision == "fp32" and spec.details["precision_quality"]["qualified"] is True
