@@ -55,6 +55,7 @@ class _FakeGenerativeSweeper:
 
     def __init__(self, source: TuneSource, cfg: object, work_dir: Path, say: object) -> None:
         self.fixed = {"max_model_len": 2048, "max_lora_rank": 8}
+        self.precision = "fp32"  # no dev set here: the precision guard keeps fp32 and generates nothing
 
     def start(self, options: dict) -> None: ...
 
