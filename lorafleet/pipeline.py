@@ -207,27 +207,39 @@ def winner_tune_source(result: ResearchResult, name: str | None = None, *, say: 
                       generation=generation_dev_for(result.task, result.winner_config, say=say))
 
 
+def _rebuilt_dataset(task: str, train_config: dict[str, Any] | None, capability: str, digest: str | None,
+                     say: Say, fallback: str) -> tuple[Any, Any] | None:
+    """(parsed config, dataset) of a bundle's `train:` section, rebuilt through its task kind, for a guard's dev
+    set; None, said with what the guard does instead (`fallback`), for a kind of another capability, data that
+    cannot be rebuilt here, or data whose digest no longer matches `digest` (the bundle's)."""
+    if not train_config:
+        return None
+    try:
+        kind = get_task_kind(task)
+        if kind.capability != capability:
+            return None
+        cfg = kind.parse_config(train_config, source="the bundle's training configuration")
+        dataset = kind.build_dataset(cfg)
+    except Exception as exc:  # the guard still runs without it: a dev set is a better judge, not a requirement
+        say(f"[tune] the dev set could not be rebuilt ({type(exc).__name__}: {exc}); {fallback}")
+        return None
+    if digest and getattr(dataset, "digest", None) != digest:
+        say(f"[tune] the data changed since training (digest {getattr(dataset, 'digest', None)} ≠ {digest}); "
+            f"{fallback}")
+        return None
+    return cfg, dataset
+
+
 def generation_dev_for(task: str, train_config: dict[str, Any] | None, *, digest: str | None = None,
                        say: Say | None = None, limit: int = GENERATION_DEV_MAX) -> GenerationDev | None:
     """The generative guard's dev set (issue 39): the first `limit` dev prompts of the config's dataset, their
     references, the answer budget, and the gate's scorer (mean ROUGE-L of cleaned answers); None for a kind that
     does not generate, or data that cannot be rebuilt here or changed since training (the guard keeps fp32)."""
-    if not train_config:
+    rebuilt = _rebuilt_dataset(task, train_config, wire.GENERATE, digest, _say(say), "the precision guard keeps fp32")
+    if rebuilt is None:
         return None
-    try:
-        kind = get_task_kind(task)
-        if kind.capability != wire.GENERATE:
-            return None
-        cfg = kind.parse_config(train_config, source="the bundle's training configuration")
-        dataset = kind.build_dataset(cfg)
-        from lorafleet.train.generation_eval import clean_answer, rouge_l  # rouge-score: loaded when a guard runs
-    except Exception as exc:  # the guard then keeps fp32, the gated precision
-        _say(say)(f"[tune] the dev set could not be rebuilt ({type(exc).__name__}: {exc}); the precision guard "
-                  "keeps fp32")
-        return None
-    if digest and getattr(dataset, "digest", None) != digest:
-        _say(say)("[tune] the data changed since training; the precision guard keeps fp32")
-        return None
+    cfg, dataset = rebuilt
+    from lorafleet.train.generation_eval import clean_answer, rouge_l  # rouge-score: loaded when a guard runs
 
     def score(answers: Any, references: Any) -> float:
         values = rouge_l([clean_answer(a) for a in answers], list(references))
@@ -244,23 +256,9 @@ def dev_set_for(task: str, train_config: dict[str, Any] | None, *, digest: str |
     """The precision guard's dev set, rebuilt from a `train:` section through the task kind; None (the guard then
     compares cosines on probe sentences only) for a kind that does not embed, a config that cannot rebuild its
     data here, or data whose digest no longer matches `digest` (the bundle's)."""
-    say = _say(say)
-    if not train_config:
-        return None
-    try:
-        kind = get_task_kind(task)
-        if kind.capability != wire.EMBED:
-            return None
-        dataset = kind.build_dataset(kind.parse_config(train_config, source="the bundle's training configuration"))
-    except Exception as exc:  # the guard still runs (cosine only): a dev set is a better judge, not a requirement
-        say(f"[tune] the dev set could not be rebuilt ({type(exc).__name__}: {exc}); "
-            "the precision guard compares cosines on probe sentences only")
-        return None
-    if digest and getattr(dataset, "digest", None) != digest:
-        say(f"[tune] the data changed since training (digest {getattr(dataset, 'digest', None)} ≠ {digest}); "
-            "the precision guard compares cosines on probe sentences only")
-        return None
-    return _retrieval_dev(dataset)
+    rebuilt = _rebuilt_dataset(task, train_config, wire.EMBED, digest, _say(say),
+                               "the precision guard compares cosines on probe sentences only")
+    return None if rebuilt is None else _retrieval_dev(rebuilt[1])
 
 
 def _retrieval_dev(dataset: Any, max_queries: int = DEV_MAX_QUERIES, max_documents: int = DEV_MAX_DOCUMENTS
