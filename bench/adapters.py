@@ -42,7 +42,7 @@ from lorafleet.bench.common import (
     stamp,
     write_json,
 )
-from lorafleet.config import MIB, PACKAGED_MINILM, QueueConfig, ServingProfile
+from lorafleet.core.config import MIB, PACKAGED_MINILM, QueueConfig, ServingProfile
 
 MODES = ("ceiling", "before", "today", "mixed")
 MODE_PROFILE: dict[str, dict[str, Any]] = {"ceiling": {}, "before": {"mixed_adapter_batches": False},
@@ -90,7 +90,7 @@ def measure_capacity(model_source: str, texts: list[str], threads: int, seconds:
     from sentence_transformers import SentenceTransformer
 
     from lorafleet.bench.serve import measure_raw
-    from lorafleet.models import resolve_model_source
+    from lorafleet.core.model_source import resolve_model_source
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -243,9 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     say(f"bench/adapters: N {ns}, modes {modes}, 2 workers for N {two}; SLO p99 {args.slo_ms:g} ms; "
         f"profile fields present: {sorted(features) or 'none'}; load average {info['loadavg_start']}")
 
-    from lorafleet.cluster import LocalCluster
-    from lorafleet.models import resolve_model_source
-    from lorafleet.nats_server import free_port
+    from lorafleet.core.model_source import resolve_model_source
+    from lorafleet.nats.server import free_port
+    from lorafleet.ops.cluster import LocalCluster
 
     source = str(resolve_model_source(args.model))
     tb = time.monotonic()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lorafleet import settings
+from lorafleet.core import settings
 
 WEIGHTS = "adapter_model.safetensors"
 CONFIG = "adapter_config.json"

@@ -19,14 +19,14 @@ from typing import Any
 
 import nats
 
-from lorafleet import heartbeats
 from lorafleet.bench.common import fmt, say
 from lorafleet.bench.routing import INBOX, Driver, point_summary
-from lorafleet.cluster import LocalCluster
-from lorafleet.config import BaseModelSpec, FleetConfig, GatewayConfig, QueueConfig, ServingProfile, WorkerConfig
-from lorafleet.processes import stop_group
+from lorafleet.core import heartbeats
+from lorafleet.core.config import BaseModelSpec, FleetConfig, GatewayConfig, QueueConfig, ServingProfile, WorkerConfig
+from lorafleet.core.wire import HDR_MSG_ID, Heartbeat, Result, Task, work_subject
+from lorafleet.ops.cluster import LocalCluster
+from lorafleet.ops.processes import stop_group
 from lorafleet.tune.loadgen import LoadResult, open_loop_calls, poisson_schedule
-from lorafleet.wire import HDR_MSG_ID, Heartbeat, Result, Task, work_subject
 
 BASE = "minilm"
 DEADLINE_S = 30.0

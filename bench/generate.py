@@ -95,8 +95,8 @@ def prompts(n: int, seed: int) -> list[str]:
 
 
 def start_cluster(work: Path, base: Path, adapters: dict[str, Path], runtime: str) -> Contender:
-    from lorafleet.cluster import LocalCluster
-    from lorafleet.config import FleetConfig
+    from lorafleet.core.config import FleetConfig
+    from lorafleet.ops.cluster import LocalCluster
 
     options = dict(ENGINE) if runtime == "vllm" else {"max_model_len": ENGINE["max_model_len"]}
     fleet = FleetConfig.model_validate({
@@ -118,7 +118,7 @@ def start_cluster(work: Path, base: Path, adapters: dict[str, Path], runtime: st
 
 
 def start_vllm_serve(work: Path, base: Path, adapters: dict[str, Path]) -> Contender:
-    from lorafleet.nats_server import free_port
+    from lorafleet.nats.server import free_port
     from lorafleet.sidecar.vllm_engine import ENTRYPOINT
     from lorafleet.sidecar.vllm_files import write_support_files
     from lorafleet.sidecar.vllm_install import find_vllm_venv, venv_python
@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
                        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")}
     say(f"bench/generate: {info['cpus']} CPUs ({info['cpu']}), load {info['loadavg_start']}, nice {info['nice']}; "
         f"{names}; concurrency {concurrencies}; {point_s:g}s per point, {rounds} round(s)")
-    from lorafleet.causal import resolve_causal_source
+    from lorafleet.models.causal import resolve_causal_source
 
     base = Path(resolve_causal_source(MODEL))
     texts = prompts(64, args.seed)

@@ -22,13 +22,13 @@ from typing import Any
 
 import nats
 
-from lorafleet.config import QueueConfig
-from lorafleet.nats_auth import gateway_inbox_prefix
-from lorafleet.nats_server import NatsServer
-from lorafleet.nats_tls import issue_certificate, make_self_signed_ca
-from lorafleet.queue import ensure_streams
+from lorafleet.core.config import QueueConfig
+from lorafleet.core.wire import work_subject
+from lorafleet.nats.auth import gateway_inbox_prefix
+from lorafleet.nats.queue import ensure_streams
+from lorafleet.nats.server import NatsServer
+from lorafleet.nats.tls import issue_certificate, make_self_signed_ca
 from lorafleet.testing import flush_nats
-from lorafleet.wire import work_subject
 
 VECTOR = b"\0" * (384 * 4)
 TASK = b"x" * 600  # a task body: text of ~100 tokens plus the MessagePack envelope

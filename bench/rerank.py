@@ -36,7 +36,7 @@ from lorafleet.bench.common import (
     stamp,
     write_json,
 )
-from lorafleet.config import PACKAGED_MINILM, FleetConfig
+from lorafleet.core.config import PACKAGED_MINILM, FleetConfig
 
 CE_BASE = "reranker"
 PARTS = ("speed", "mixed", "quality")
@@ -84,7 +84,7 @@ def raw_predict(model: Any, pairs: list[list[str]], batch_sizes: list[int], thre
 
 
 def _cluster(cfg: FleetConfig, home: Path, threads: int | None) -> Any:
-    from lorafleet.cluster import LocalCluster
+    from lorafleet.ops.cluster import LocalCluster
 
     c = LocalCluster(cfg, workers=1, port=0, home=home, worker_threads=threads)
     c.start(timeout=300)
@@ -110,7 +110,7 @@ def _fleet(model: str, profile: dict[str, Any], served: list[dict[str, Any]] | N
 
 
 def run_speed(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    from lorafleet.models import resolve_model_source
+    from lorafleet.core.model_source import resolve_model_source
     from lorafleet.sidecar.ce_runtime import load_cross_encoder
 
     bodies = _bodies(CE_BASE, args.docs, 16, seed=1)
@@ -180,7 +180,7 @@ def _adapters(model: str, n: int, out: Path) -> list[Path]:
     import torch
     from peft import LoraConfig, TaskType
 
-    from lorafleet.models import resolve_model_source
+    from lorafleet.core.model_source import resolve_model_source
     from lorafleet.sidecar.ce_runtime import load_cross_encoder
 
     paths = [out / f"ce-{i}" for i in range(n)]
@@ -238,10 +238,10 @@ def _stage_configs(cfg: Any, specialist: str | None) -> dict[str, Any]:
 def run_quality(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     import yaml
 
-    from lorafleet.device import resolve_device
-    from lorafleet.tasks import get_task_kind
-    from lorafleet.train.rerank import train_reranker
-    from lorafleet.train.rerank_eval import pipeline_metrics
+    from lorafleet.core.tasks import get_task_kind
+    from lorafleet.models.device import resolve_device
+    from lorafleet.train.kinds.rerank.evaluate import pipeline_metrics
+    from lorafleet.train.kinds.rerank.trainer import train_reranker
 
     raw = yaml.safe_load(Path(args.config).read_text())["train"]
     for item in args.set:

@@ -26,7 +26,7 @@ whose p99 stays within the scenario's SLO, and the throughput at saturation (an 
 A rate over the SLO is run once more on the same trace before the policy stops climbing.
 
 The `replicated` scenario prices replication: pull on the `equal` workload and the same trace, once on one
-nats-server (R1 file stream) and once on a 3-node JetStream cluster (R3 file stream, lorafleet.nats_cluster),
+nats-server (R1 file stream) and once on a 3-node JetStream cluster (R3 file stream, lorafleet.nats.cluster),
 side by side, with the ratio R3/R1 of the rate within the SLO and of saturation throughput.
 
     python -m lorafleet.bench.routing [--quick] [--scenarios equal,slow,models,bursts,minilm,replicated]
@@ -49,7 +49,6 @@ from typing import Any
 import nats
 import yaml
 
-from lorafleet import heartbeats
 from lorafleet.bench.common import (
     RESULTS_DIR,
     exit_on_sigterm,
@@ -64,13 +63,14 @@ from lorafleet.bench.common import (
     write_json,
 )
 from lorafleet.bench.synth_worker import SLOWDOWN_ENV, model_of
-from lorafleet.config import BaseModelSpec, FleetConfig, QueueConfig, ServingProfile, WorkerConfig
-from lorafleet.nats_auth import options_from_env
-from lorafleet.nats_client import server_urls
-from lorafleet.nats_cluster import NatsCluster
-from lorafleet.nats_server import NatsServer
+from lorafleet.core import heartbeats
+from lorafleet.core.config import BaseModelSpec, FleetConfig, QueueConfig, ServingProfile, WorkerConfig
+from lorafleet.core.wire import HDR_MSG_ID, Heartbeat, Result, Task, consumer_name, work_subject
+from lorafleet.nats.auth import options_from_env
+from lorafleet.nats.client import server_urls
+from lorafleet.nats.cluster import NatsCluster
+from lorafleet.nats.server import NatsServer
 from lorafleet.tune.loadgen import LoadResult, open_loop_calls, poisson_schedule
-from lorafleet.wire import HDR_MSG_ID, Heartbeat, Result, Task, consumer_name, work_subject
 
 POLICIES = ("pull", "push-stale", "push-fresh")
 ALGORITHMS = {"p2c": "power of two choices (P2C) on outstanding tasks per worker",
@@ -133,7 +133,7 @@ def measure_minilm_capacity(texts: list[str], workers: int = 2, seconds: float =
     from sentence_transformers import SentenceTransformer
 
     from lorafleet.bench.serve import measure_raw
-    from lorafleet.models import resolve_model_source
+    from lorafleet.core.model_source import resolve_model_source
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each worker runs
@@ -237,7 +237,7 @@ class Driver:
         self.heartbeats: dict[str, float] = {}
 
     async def start(self) -> None:
-        from lorafleet.queue import ensure_streams
+        from lorafleet.nats.queue import ensure_streams
 
         await ensure_streams(self.js, self.queue, replicas=self.replicas)
         await self.nc.subscribe(INBOX + ".>", cb=self._on_result)

@@ -151,7 +151,7 @@ def measure_ceiling(model: Any, texts: list[str], batch_sizes: list[int], second
 
 
 def _native_reduced() -> frozenset[str]:
-    from lorafleet.precision import native_cpu_precisions, read_cpuinfo
+    from lorafleet.models.precision import native_cpu_precisions, read_cpuinfo
 
     return native_cpu_precisions(read_cpuinfo())
 
@@ -247,10 +247,10 @@ def thread_env(threads: int) -> dict[str, str]:
 
 def start_lorafleet(work: Path, profile: dict[str, Any] | None, threads: int, name: str = "lorafleet",
                     precision: str = "auto", device: str = "cpu") -> Contender:
-    from lorafleet.cluster import LocalCluster
-    from lorafleet.config import BaseModelSpec, FleetConfig, GatewayConfig, ServingProfile, WorkerConfig
-    from lorafleet.nats_server import free_port
-    from lorafleet.precision import check_fleet_precisions
+    from lorafleet.core.config import BaseModelSpec, FleetConfig, GatewayConfig, ServingProfile, WorkerConfig
+    from lorafleet.models.precision import check_fleet_precisions
+    from lorafleet.nats.server import free_port
+    from lorafleet.ops.cluster import LocalCluster
 
     prof = ServingProfile(**(profile or {}))
     fleet = FleetConfig(bases=[BaseModelSpec(name=MODEL_NAME, precision=precision)],  # type: ignore[arg-type]
@@ -274,10 +274,10 @@ def start_user_path(work: Path, routes: list[str], threads: int | None,
 
     `precision` (not `auto`) pins what the base's `precision: auto` resolves to (LORAFLEET_AUTO_PRECISION), so the
     same fleet file is served at fp32 beside the guard's choice; the contenders are then named `route@precision`."""
-    from lorafleet.cluster import LocalCluster, default_workers, load_fleet
-    from lorafleet.nats_server import free_port
-    from lorafleet.precision import AUTO_ENV
-    from lorafleet.settings import DEFAULT_FLEET
+    from lorafleet.core.settings import DEFAULT_FLEET
+    from lorafleet.models.precision import AUTO_ENV
+    from lorafleet.nats.server import free_port
+    from lorafleet.ops.cluster import LocalCluster, default_workers, load_fleet
 
     t0 = time.monotonic()
     home = Path(tempfile.mkdtemp(prefix="user-path-", dir=work))
@@ -390,7 +390,7 @@ def measure_user_path(contenders: list[tuple[Contender, Any]], texts: list[str],
 
 
 def start_naive(work: Path, model_dir: str, threads: int) -> Contender:
-    from lorafleet.nats_server import free_port
+    from lorafleet.nats.server import free_port
 
     port = free_port()
     log = work / "naive.log"
@@ -411,7 +411,7 @@ def start_naive(work: Path, model_dir: str, threads: int) -> Contender:
 def start_infinity(work: Path, model_dir: str, batch_size: int, threads: int,
                    dtype: str | None = None) -> Contender:
     from lorafleet.bench.infinity import ensure_venv, server_argv
-    from lorafleet.nats_server import free_port
+    from lorafleet.nats.server import free_port
 
     exe = ensure_venv(say=say)
     port = free_port()
@@ -620,7 +620,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     threads = args.threads or os.cpu_count() or 1  # for the contenders other than the user's path
 
-    from lorafleet.models import resolve_model_source
+    from lorafleet.core.model_source import resolve_model_source
 
     model_dir = resolve_model_source(MODEL_NAME)
     texts = german_sentences(400, seed=args.seed)
@@ -638,7 +638,7 @@ def main(argv: list[str] | None = None) -> int:
     ref = model.encode(check_texts, show_progress_bar=False)
     lens = [len(t) for t in model.tokenizer(texts)["input_ids"]]
 
-    from lorafleet.config import ServingProfile
+    from lorafleet.core.config import ServingProfile
 
     systems: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="lorafleet-bench-serve-") as tmp:

@@ -85,7 +85,7 @@ def winner_task(name: str, version: str) -> tuple[Any, Path, Any, str | None]:
     """(version info, adapter folder, the winner's GenerationTrainConfig, the precision it was judged at)."""
     from lorafleet.pipeline import TRAIN_CONFIG
     from lorafleet.registry import store
-    from lorafleet.train.generation_config import GenerationTrainConfig
+    from lorafleet.train.kinds.generation.config import GenerationTrainConfig
 
     adapter, spec, info = store.fetch_adapter(name, version)
     if spec.kind != "causal-lm":
@@ -114,11 +114,11 @@ def served_answers(url: str, name: str, prompts: list[list[dict[str, str]]], max
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from lorafleet.causal import resolve_causal_source
-    from lorafleet.device import resolve_device
-    from lorafleet.train.causal_lm import load_causal_adapter, load_causal_tokenizer
-    from lorafleet.train.generation_eval import clean_answer, generate_answers
-    from lorafleet.train.headings import build_headings
+    from lorafleet.models.causal import resolve_causal_source
+    from lorafleet.models.device import resolve_device
+    from lorafleet.train.kinds.generation.causal_lm import load_causal_adapter, load_causal_tokenizer
+    from lorafleet.train.kinds.generation.evaluate import clean_answer, generate_answers
+    from lorafleet.train.kinds.generation.headings import build_headings
 
     info, adapter, cfg, judged = winner_task(args.name, args.version)
     tokenizer = load_causal_tokenizer(cfg.base_model, cfg.chat_template)

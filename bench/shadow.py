@@ -55,7 +55,7 @@ def build_models(root: Path) -> dict[str, Path]:
 
 
 def fleet_config(paths: dict[str, Path]) -> Any:
-    from lorafleet.config import FleetConfig
+    from lorafleet.core.config import FleetConfig
 
     return FleetConfig.model_validate({
         "bases": [{"name": BASE, "source": str(paths["base"]), "runtime": "transformers"}],
@@ -165,8 +165,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "shadow.json")
     args = p.parse_args(argv)
     command = "python -m lorafleet.bench.shadow " + shlex.join(argv if argv is not None else sys.argv[1:])
-    from lorafleet import settings
-    from lorafleet.cluster import LocalCluster
+    from lorafleet.core import settings
+    from lorafleet.ops.cluster import LocalCluster
     from lorafleet.registry.promote import Preload, promote
 
     load_before = loadavg()  # the machine may be shared: say how busy it was

@@ -20,9 +20,9 @@ from typing import ClassVar
 
 import numpy as np
 
-from lorafleet.config import BaseModelSpec, ConfigError
+from lorafleet.core.config import BaseModelSpec, ConfigError
+from lorafleet.core.wire import EMBED
 from lorafleet.sidecar.runtime import Runtime
-from lorafleet.wire import EMBED
 
 SYNTH_DIM = 8
 SLOWDOWN_ENV = "LORAFLEET_SYNTH_SLOWDOWN"

@@ -72,7 +72,7 @@ def run_arm(arm: str, quick: bool, epochs: int, budget_s: float, out_dir: Path, 
     from transformers import PrinterCallback, TrainerCallback, set_seed
 
     from lorafleet.train import build_dataset, evaluate_model
-    from lorafleet.train.trainer import _add_lora, load_base_model, save_adapter
+    from lorafleet.train.kinds.retrieval.trainer import _add_lora, load_base_model, save_adapter
 
     cfg = train_config(quick, epochs)
     t_load = time.perf_counter()

@@ -32,7 +32,7 @@ QUICK = {"data": {"laws": ["kschg", "agg"], "max_train_examples": 24, "max_eval_
 
 
 def config(quick: bool) -> Any:
-    from lorafleet.train.generation import GenerationTrainConfig
+    from lorafleet.train.kinds.generation.trainer import GenerationTrainConfig
 
     raw = yaml.safe_load(CONFIG.read_text())["train"]
     if quick:
@@ -45,8 +45,8 @@ def run_arm(arm: str, quick: bool, work: Path, threads: int) -> dict[str, Any]:
     """In a child process: build the dataset, train one arm, report its figures."""
     import torch
 
-    from lorafleet.train.generation import train_full, train_generation
-    from lorafleet.train.generation_run import build_generation_dataset, generation_baselines
+    from lorafleet.train.kinds.generation.run import build_generation_dataset, generation_baselines
+    from lorafleet.train.kinds.generation.trainer import train_full, train_generation
 
     torch.set_num_threads(threads)
     cfg = config(quick)
@@ -142,8 +142,8 @@ RECIPE_ARMS: dict[str, dict[str, Any]] = {
 
 
 def recipe_config(overrides: dict[str, Any], train: int, evals: int, extra: list[str] | None = None) -> Any:
-    from lorafleet.config import apply_overrides
-    from lorafleet.train.generation import GenerationTrainConfig
+    from lorafleet.core.config import apply_overrides
+    from lorafleet.train.kinds.generation.trainer import GenerationTrainConfig
 
     raw = yaml.safe_load(CONFIG.read_text())["train"]
     pairs = [f"{k}={json.dumps(v)}" for k, v in overrides.items() if k != "full"]
@@ -154,9 +154,9 @@ def recipe_config(overrides: dict[str, Any], train: int, evals: int, extra: list
 
 def lead_only(dataset: Any) -> Any:
     """The lead baseline alone (no generation): the ablation ranks knobs, the baselines are the full run's."""
-    from lorafleet.metrics import prefixed
-    from lorafleet.train.generation_eval import fit_lead_length, lead_baseline, text_metrics
-    from lorafleet.train.generation_run import Baselines
+    from lorafleet.core.metrics import prefixed
+    from lorafleet.train.kinds.generation.evaluate import fit_lead_length, lead_baseline, text_metrics
+    from lorafleet.train.kinds.generation.run import Baselines
 
     train = dataset.examples["train"]
     n = fit_lead_length([ex.input for ex in train], [ex.heading for ex in train])
@@ -172,8 +172,8 @@ def run_recipe(arms: list[str], train: int, evals: int, out: Path, kshot_other: 
     """Train every arm in this process (one after the other); results land in `out` after each arm."""
     import torch
 
-    from lorafleet.train.generation import train_full, train_generation
-    from lorafleet.train.generation_run import build_generation_dataset, generation_baselines
+    from lorafleet.train.kinds.generation.run import build_generation_dataset, generation_baselines
+    from lorafleet.train.kinds.generation.trainer import train_full, train_generation
 
     results: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {"arms": {}, "baselines": {}}
     results.update(threads=torch.get_num_threads(), train_examples=train, eval_examples=evals, common=extra or [])

@@ -53,17 +53,17 @@ def parse_arm(arm: str) -> tuple[str, str | None]:
 
 
 def load_config(kind: str, path: Path, overrides: list[str], quick: bool, arm: str) -> Any:
-    from lorafleet.config import apply_overrides, read_yaml, validate_model
+    from lorafleet.core.config import apply_overrides, read_yaml, validate_model
 
     precision, masks = parse_arm(arm)
     raw = read_yaml(path)["train"]
     raw = apply_overrides(raw, [*(QUICK[kind] if quick else []), *overrides, f"precision={precision}", "device=cpu",
                                 *([f"dropout_masks={masks}"] if masks else [])])
     if kind == "generation":
-        from lorafleet.train.generation_config import GenerationTrainConfig
+        from lorafleet.train.kinds.generation.config import GenerationTrainConfig
 
         return validate_model(GenerationTrainConfig, raw, source=f"{path} [train]")
-    from lorafleet.train.config import TrainConfig
+    from lorafleet.train.kinds.retrieval.config import TrainConfig
 
     return validate_model(TrainConfig, raw, source=f"{path} [train]")
 
@@ -107,7 +107,7 @@ def retrieval_ceiling(cfg: Any, dataset: Any) -> dict[str, Any]:
     import torch
 
     from lorafleet.train.dropout import use_fast_dropout
-    from lorafleet.train.trainer import _add_lora, load_base_model
+    from lorafleet.train.kinds.retrieval.trainer import _add_lora, load_base_model
 
     model = load_base_model(cfg.base_model, "cpu", cfg.max_seq_length)
     _add_lora(model, cfg)
@@ -132,9 +132,9 @@ def generation_ceiling(cfg: Any, dataset: Any) -> dict[str, Any]:
     import torch
     from peft import get_peft_model
 
-    from lorafleet.train.causal_lm import load_causal_base
     from lorafleet.train.dropout import use_fast_dropout
-    from lorafleet.train.generation import lora_config
+    from lorafleet.train.kinds.generation.causal_lm import load_causal_base
+    from lorafleet.train.kinds.generation.trainer import lora_config
 
     model, tok = load_causal_base(cfg.base_model, "cpu", cfg.dtype, chat_template=cfg.chat_template)
     model = get_peft_model(model, lora_config(cfg))
@@ -166,8 +166,8 @@ def run_one(kind: str, precision: str, config: Path, overrides: list[str], quick
     out: dict[str, Any] = {"precision": precision, "loadavg_start": loadavg(), "torch_threads": torch.get_num_threads()}
     t0 = time.perf_counter()
     if kind == "generation":
-        from lorafleet.train.generation import train_generation
-        from lorafleet.train.generation_run import build_generation_dataset
+        from lorafleet.train.kinds.generation.run import build_generation_dataset
+        from lorafleet.train.kinds.generation.trainer import train_generation
 
         dataset = build_generation_dataset(cfg)
         out["dataset_s"] = round(time.perf_counter() - t0, 1)

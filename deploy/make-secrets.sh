@@ -28,8 +28,8 @@ for role in admin gateway worker control; do
   LORAFLEET_HOME="$OUT" "$LORAFLEET" creds add "$role" >/dev/null
 done
 
-# Public keys only: what nats-server checks signatures against (lorafleet.nats_auth.PERMISSIONS per role).
-"$PYTHON" -c 'import sys; from lorafleet.nats_auth import authorization_config, load_credentials
+# Public keys only: what nats-server checks signatures against (lorafleet.nats.auth.PERMISSIONS per role).
+"$PYTHON" -c 'import sys; from lorafleet.nats.auth import authorization_config, load_credentials
 sys.stdout.write(authorization_config(load_credentials(sys.argv[1])))' "$OUT/creds" > "$OUT/nats-auth.conf.tmp"
 mv "$OUT/nats-auth.conf.tmp" "$OUT/nats-auth.conf"
 

@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lorafleet import settings, wire
-from lorafleet.config import ServingProfile
-from lorafleet.refs import parse_ref
+from lorafleet.core import settings, wire
+from lorafleet.core.config import ServingProfile
+from lorafleet.core.refs import parse_ref
+from lorafleet.core.tasks import get_task_kind
 from lorafleet.registry import store
 from lorafleet.registry.bundle import ADAPTER_DIR, BUNDLE_FILE, read_spec
 from lorafleet.registry.promote import Outcome, promote, rollback
@@ -33,7 +34,6 @@ from lorafleet.registry.store import CANDIDATE, BundleRef, RegistryError, regist
 from lorafleet.research.config import LoadedConfig
 from lorafleet.research.result import ResearchResult
 from lorafleet.research.runner import loaded_from_study, run_research
-from lorafleet.tasks import get_task_kind
 from lorafleet.tune.config import TuneConfig, TuneError
 from lorafleet.tune.generation_guard import GenerationDev
 from lorafleet.tune.precision import DevSet
@@ -239,7 +239,7 @@ def generation_dev_for(task: str, train_config: dict[str, Any] | None, *, digest
     if rebuilt is None:
         return None
     cfg, dataset = rebuilt
-    from lorafleet.train.generation_eval import clean_answer, rouge_l  # rouge-score: loaded when a guard runs
+    from lorafleet.train.kinds.generation.evaluate import clean_answer, rouge_l  # rouge-score: loaded when a guard runs
 
     def score(answers: Any, references: Any) -> float:
         values = rouge_l([clean_answer(a) for a in answers], list(references))

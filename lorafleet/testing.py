@@ -89,7 +89,7 @@ def make_random_adapter(base_model: str | Path, out_dir: str | Path, *, seed: in
     from peft import LoraConfig
     from sentence_transformers import SentenceTransformer
 
-    from lorafleet.models import resolve_model_source
+    from lorafleet.core.model_source import resolve_model_source
 
     torch.manual_seed(seed)
     model = SentenceTransformer(resolve_model_source(str(base_model)), device="cpu")

@@ -3,7 +3,7 @@
 A bundle is one MLflow model version: the peft adapter, bundle.yaml (base reference, task kind,
 bundle kind, serving profile, metrics, sha256 of every file), the evaluation report and the
 dataset digest. Promotion runs the task kind's quality gate, moves the alias `champion` and
-publishes the desired fleet state (lorafleet.fleet_state), which gateways and workers apply live.
+publishes the desired fleet state (lorafleet.core.fleet_state), which gateways and workers apply live.
 
 Public API (loaded on first use, so `import lorafleet.registry` stays cheap):
     register_bundle(name, adapter_dir, base_source=…, task=…, …) -> BundleRef(name, version)

@@ -23,17 +23,17 @@ from typing import Any
 import yaml
 from pydantic import Field
 
-from lorafleet import adapters
-from lorafleet.config import ServingProfile, StrictModel
-from lorafleet.models import base_name_for, resolve_model_source
-from lorafleet.refs import NAME_RE
+from lorafleet.core import adapters
+from lorafleet.core.config import ServingProfile, StrictModel
+from lorafleet.core.model_source import base_name_for, resolve_model_source
+from lorafleet.core.refs import NAME_RE
 
 BUNDLE_FILE = "bundle.yaml"
 ADAPTER_DIR = "adapter"
 DIGEST_FILE = "dataset_digest.txt"
 REPORT_DIR = "report"
 BUNDLE_FORMAT = 1
-# A bundle name becomes a served name and a NATS KV key (lorafleet.refs).
+# A bundle name becomes a served name and a NATS KV key (lorafleet.core.refs).
 KEY_NAME_RE = NAME_RE
 DEFAULT_TASK = "retrieval"  # bundles from before task kinds were recorded
 MARGIN_TAG = "lorafleet.gate_margin"  # model-version tag: the bundle's `margin`, what promotion gates at
@@ -61,7 +61,7 @@ class BundleSpec(StrictModel):
     format: int = BUNDLE_FORMAT
     name: str
     base: BaseRef
-    task: str = Field(DEFAULT_TASK, description="The task kind that trained it (lorafleet.tasks).")
+    task: str = Field(DEFAULT_TASK, description="The task kind that trained it (lorafleet.core.tasks).")
     kind: str = Field("sentence-transformers", description="Bundle kind: sentence-transformers, causal-lm, …")
     runtime: str = "sentence-transformers"
     pooling: str | None = Field(None, description="Pooling mode of the base model (mean, cls, …).")
@@ -132,7 +132,7 @@ def describe_base(source: str) -> dict[str, Any]:
 
 
 def check_adapter_dir(adapter_dir: Path) -> None:
-    """BundleError unless `adapter_dir` is a peft adapter folder (the check workers make, lorafleet.adapters)."""
+    """BundleError unless `adapter_dir` is a peft adapter folder (the check workers make, lorafleet.core.adapters)."""
     try:
         adapters.check_adapter_dir(adapter_dir)
     except adapters.AdapterUnavailable as exc:

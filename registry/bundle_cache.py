@@ -18,7 +18,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from lorafleet import settings
+from lorafleet.core import settings
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 `lorafleet promote NAME --canary P` passes the same gate and preload as a promote, then writes a canary spec into
 the name's live fleet entry (under the promote lock, by compare-and-set): every gateway sends the plain name's
-requests whose route key falls below P % (lorafleet.fleet_state.route_bucket: sticky per client, the same on
+requests whose route key falls below P % (lorafleet.core.fleet_state.route_bucket: sticky per client, the same on
 every gateway and after a restart) to the candidate, the rest to the champion; both stay served as NAME@N.
 `--finish` makes the candidate champion through promote's own path (gate, preload, retention of the old champion:
 the canary goes with the entry it rewrites); `--abort` removes the canary, the champion unchanged. While a canary
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lorafleet.fleet_state import (
+from lorafleet.core.fleet_state import (
     FleetEntry,
     Retention,
     canary_in_progress,
@@ -32,7 +32,8 @@ from lorafleet.fleet_state import (
     open_fleet_bucket,
     read_entries,
 )
-from lorafleet.nats_client import ClientSettings
+from lorafleet.core.tasks import GateResult
+from lorafleet.nats.client import ClientSettings
 from lorafleet.registry import store
 from lorafleet.registry.lock import LockBusy
 from lorafleet.registry.promote import (
@@ -50,7 +51,6 @@ from lorafleet.registry.promote import (
 from lorafleet.registry.store import CANDIDATE, CHAMPION, VersionInfo
 from lorafleet.registry.transition import Change, Split, connected, finished_by_repair, locked, rewrite, start_split
 from lorafleet.registry.writes import run_transition
-from lorafleet.tasks import GateResult
 
 
 class CanaryError(PromotionError):

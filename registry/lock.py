@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from lorafleet.fleet_state import LOCK_PREFIX
+from lorafleet.core.fleet_state import LOCK_PREFIX
 
 log = logging.getLogger(__name__)
 

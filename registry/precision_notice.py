@@ -8,7 +8,8 @@ workers — never an error: the adapter serves correctly at the base's precision
 they serve in their heartbeats (`pr`, base → precision); older workers say nothing and are named as unknown.
 
 Issue 39: the entry carries the precision the bundle was judged at (`judged_profile`), and a base under `auto`
-serves its models at what they were judged at (lorafleet.precision.served_precision). An explicit precision in the
+serves its models at what they were judged at (lorafleet.models.precision.served_precision). An explicit precision
+in the
 fleet file that differs is the operator's override: promote says so first.
 """
 
@@ -21,15 +22,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lorafleet import heartbeats
-from lorafleet.config import ServingProfile
-from lorafleet.fleet_state import FleetEntry
-from lorafleet.precision import AUTO, FP32, GATED, PRECISIONS
+from lorafleet.core import heartbeats
+from lorafleet.core.config import ServingProfile
+from lorafleet.core.fleet_state import FleetEntry
+from lorafleet.core.wire import Heartbeat
+from lorafleet.models.precision import AUTO, FP32, GATED, PRECISIONS
 from lorafleet.registry.bundle import BundleSpec, judged_at
-from lorafleet.wire import Heartbeat
 
 # Bundle kinds served by a runtime without a probe of its own (generation engines): with no tuned verdict they were
-# judged at fp32 only, and a base under `auto` serves them at fp32 (lorafleet.precision.served_precision).
+# judged at fp32 only, and a base under `auto` serves them at fp32 (lorafleet.models.precision.served_precision).
 _PROBED_KINDS = frozenset({"sentence-transformers"})
 
 

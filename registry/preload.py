@@ -17,8 +17,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from lorafleet import heartbeats
-from lorafleet.wire import Heartbeat
+from lorafleet.core import heartbeats
+from lorafleet.core.wire import Heartbeat
 
 DEFAULT_PRELOAD_TIMEOUT_S = 120.0
 

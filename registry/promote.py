@@ -1,6 +1,6 @@
 """Promotion and rollback: quality gate → alias `champion` → desired fleet state on NATS, live.
 
-The gate is the task kind's (`lorafleet.tasks.judge`, the same one research's verdict uses): the
+The gate is the task kind's (`lorafleet.core.tasks.judge`, the same one research's verdict uses): the
 version's headline metric (test nDCG@10 for retrieval) must beat, strictly, what its kind compares with
 (the base model's, or the kind's best baseline and rivals) by a relative margin, and must not fall
 behind the current champion's. The margin is the one research judged the version by (recorded in its
@@ -47,10 +47,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from lorafleet import heartbeats, settings
-from lorafleet.cluster import ClusterError, ClusterState
-from lorafleet.config import FleetConfig, ServingProfile, load_yaml_model
-from lorafleet.fleet_state import (
+from lorafleet.core import heartbeats, settings
+from lorafleet.core.config import FleetConfig, ServingProfile, load_yaml_model
+from lorafleet.core.fleet_state import (
     FleetEntry,
     FleetStateError,
     Retention,
@@ -62,10 +61,12 @@ from lorafleet.fleet_state import (
     refuse_during_canary,
     with_retention,
 )
-from lorafleet.nats_auth import CREDS_SUFFIX, explain_connect_error
-from lorafleet.nats_client import RECONNECT_OPTIONS, ClientSettings, server_urls
-from lorafleet.nats_server import port_open
-from lorafleet.refs import version_uri
+from lorafleet.core.refs import version_uri
+from lorafleet.core.tasks import DEFAULT_MARGIN, GateResult, get_task_kind
+from lorafleet.nats.auth import CREDS_SUFFIX, explain_connect_error
+from lorafleet.nats.client import RECONNECT_OPTIONS, ClientSettings, server_urls
+from lorafleet.nats.server import port_open
+from lorafleet.ops.cluster import ClusterError, ClusterState
 from lorafleet.registry import store
 from lorafleet.registry.bundle import MARGIN_TAG, BundleSpec
 from lorafleet.registry.lock import HeldLock, LockBusy, LockLost, promote_lock
@@ -73,7 +74,6 @@ from lorafleet.registry.precision_notice import HeartbeatListener, PrecisionNoti
 from lorafleet.registry.preload import DEFAULT_PRELOAD_TIMEOUT_S, PreloadResult, wait_preloaded
 from lorafleet.registry.store import CANDIDATE, CHAMPION, VersionInfo
 from lorafleet.registry.writes import in_thread, reached, run_transition, write_alias, write_fleet, write_history
-from lorafleet.tasks import DEFAULT_MARGIN, GateResult, get_task_kind
 
 MARGIN_ENV = "LORAFLEET_PROMOTE_MARGIN"
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lorafleet.agreement import SHADOW_SUBJECT, GatewayShadowStats, ShadowFigures, ShadowKey, summed
-from lorafleet.fleet_state import (
+from lorafleet.core.agreement import SHADOW_SUBJECT, GatewayShadowStats, ShadowFigures, ShadowKey, summed
+from lorafleet.core.fleet_state import (
     FleetEntry,
     Retention,
     ShadowSpec,
@@ -34,7 +34,8 @@ from lorafleet.fleet_state import (
     read_entries,
     read_entry,
 )
-from lorafleet.nats_client import ClientSettings
+from lorafleet.core.tasks import GateResult
+from lorafleet.nats.client import ClientSettings
 from lorafleet.registry import store
 from lorafleet.registry.canary import CanaryError
 from lorafleet.registry.promote import (
@@ -51,7 +52,6 @@ from lorafleet.registry.promote import (
 from lorafleet.registry.store import CANDIDATE, CHAMPION, RegistryError, VersionInfo
 from lorafleet.registry.transition import Change, Split, connected, finished_by_repair, locked, rewrite, start_split
 from lorafleet.registry.writes import run_transition
-from lorafleet.tasks import GateResult
 
 log = logging.getLogger(__name__)
 

@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from lorafleet import settings
-from lorafleet.config import ServingProfile
-from lorafleet.metrics import from_mlflow_key, mlflow_key
-from lorafleet.refs import NAME_RE
+from lorafleet.core import settings
+from lorafleet.core.config import ServingProfile
+from lorafleet.core.metrics import from_mlflow_key, mlflow_key
+from lorafleet.core.refs import NAME_RE
+from lorafleet.core.tasks import MetricSpec, get_task_kind
 from lorafleet.registry import bundle_cache
 from lorafleet.registry.bundle import (
     ADAPTER_DIR,
@@ -37,7 +38,6 @@ from lorafleet.registry.bundle import (
     verify_bundle,
 )
 from lorafleet.registry.bundle_cache import bundle_cache_dir
-from lorafleet.tasks import MetricSpec, get_task_kind
 
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 

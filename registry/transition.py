@@ -21,7 +21,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from lorafleet.fleet_state import FleetEntry, delete_staged, open_fleet_bucket, read_entry
+from lorafleet.core.fleet_state import FleetEntry, delete_staged, open_fleet_bucket, read_entry
+from lorafleet.core.tasks import GateResult
 from lorafleet.registry import store
 from lorafleet.registry.lock import HeldLock, LockBusy, LockLost, promote_lock
 from lorafleet.registry.promote import (
@@ -38,7 +39,6 @@ from lorafleet.registry.promote import (
 )
 from lorafleet.registry.store import CHAMPION, VersionInfo
 from lorafleet.registry.writes import in_thread, reached, write_alias, write_fleet, write_history
-from lorafleet.tasks import GateResult
 
 
 @contextlib.asynccontextmanager

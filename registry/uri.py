@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lorafleet.adapters import AdapterUnavailable
-from lorafleet.refs import parse_models_uri
+from lorafleet.core.adapters import AdapterUnavailable
+from lorafleet.core.refs import parse_models_uri
 from lorafleet.registry.bundle import BundleError
 from lorafleet.registry.store import RegistryError, StoreUnreachable, fetch_adapter
 

@@ -1,7 +1,7 @@
 """Automatic rollback of a canary (issue 25): `lorafleet promote NAME --canary P --watch DURATION`.
 
 Every gateway publishes, with its presence, cumulative per-version counters (requests, 5xx errors, a latency
-histogram on fixed buckets: lorafleet.heartbeats.GatewayStats). The watcher sums each gateway's deltas since the
+histogram on fixed buckets: lorafleet.core.heartbeats.GatewayStats). The watcher sums each gateway's deltas since the
 watch began, so it judges the whole fleet's traffic, and compares the candidate with the champion by a pure
 function (`judge`): an error rate higher by more than `max_error_increase` (absolute), a p99 above the
 champion's × `max_p99_ratio`, or (generative) a rate of empty answers higher by more than `max_empty_increase`,
@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from lorafleet import heartbeats
-from lorafleet.fleet_state import FleetEntry, Retention, open_fleet_bucket, read_entry
-from lorafleet.heartbeats import GatewayStats, VersionCounts
+from lorafleet.core import heartbeats
+from lorafleet.core.fleet_state import FleetEntry, Retention, open_fleet_bucket, read_entry
+from lorafleet.core.heartbeats import GatewayStats, VersionCounts
 from lorafleet.registry import canary, store
 from lorafleet.registry.lock import LOCK_TTL_S, LockBusy, promote_lock, wait_released
 from lorafleet.registry.promote import Outcome, Preload, _connect, find_fleet

@@ -29,7 +29,7 @@ import threading
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any, Literal, TypeVar
 
-from lorafleet.fleet_state import FleetEntry, FleetStateConflict, FleetStateError, write_entry
+from lorafleet.core.fleet_state import FleetEntry, FleetStateConflict, FleetStateError, write_entry
 from lorafleet.registry import store
 from lorafleet.registry.lock import HeldLock
 from lorafleet.registry.store import CHAMPION

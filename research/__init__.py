@@ -4,7 +4,7 @@
     lorafleet research resume NAME
 
 What a trial trains and how it is judged comes from the config's task kind (`task:`, default
-retrieval; lorafleet.tasks): its dataset, training, evaluation, objective and direction, baseline,
+retrieval; lorafleet.core.tasks): its dataset, training, evaluation, objective and direction, baseline,
 and the margin rule that also gates promotion. This stage never imports a kind's implementation.
 
 Python: `run_research(load_config(path), ...) -> ResearchResult`; `result.candidate` tells whether

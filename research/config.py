@@ -17,9 +17,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from lorafleet.config import ConfigError, StrictModel, apply_overrides, read_yaml, validate_model
-from lorafleet.plugins import PluginError
-from lorafleet.tasks import DEFAULT_MARGIN, TaskKind, get_task_kind
+from lorafleet.core.config import ConfigError, StrictModel, apply_overrides, read_yaml, validate_model
+from lorafleet.core.plugins import PluginError
+from lorafleet.core.tasks import DEFAULT_MARGIN, TaskKind, get_task_kind
 
 STUDY_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 

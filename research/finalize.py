@@ -18,8 +18,8 @@ from typing import Any
 
 from optuna.trial import FrozenTrial
 
-from lorafleet.metrics import prefixed, to_test
-from lorafleet.tasks import beats
+from lorafleet.core.metrics import prefixed, to_test
+from lorafleet.core.tasks import beats
 
 from .config import apply_params, space_variants
 from .objective import metrics_of
@@ -219,7 +219,7 @@ def _verdict(margin: float, objective: str, direction: str, baseline: dict[str, 
     """Candidate only if the winner on dev and every seed on test beat each of `gates` ((prefix, words): the base
     model, or the kind's best baseline, and its rivals) by the relative margin, strictly (a tie is no win).
 
-    The margin means what it means in the promotion gate (lorafleet.tasks.beats): a share of the reference's score.
+    The margin means what it means in the promotion gate (lorafleet.core.tasks.beats): a share of the reference's score.
     """
     test_obj = to_test(objective)
     tests = [m[test_obj] for m in (result.winner_metrics, result.reseed_metrics) if test_obj in m]

@@ -17,8 +17,8 @@ from typing import Any
 
 import optuna
 
-from lorafleet.metrics import prefixed
-from lorafleet.tasks import TaskKind
+from lorafleet.core.metrics import prefixed
+from lorafleet.core.tasks import TaskKind
 
 from .config import LoadedConfig, apply_params
 from .progress import Progress

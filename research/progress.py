@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-from lorafleet.progress import hold_terminal
+from lorafleet.core.progress import hold_terminal
 
 
 def _fmt_s(seconds: float) -> str:

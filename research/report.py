@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import optuna
 
-from lorafleet.tasks import MetricSpec, get_task_kind
+from lorafleet.core.tasks import MetricSpec, get_task_kind
 
 if TYPE_CHECKING:
     from .result import ResearchResult

@@ -4,7 +4,7 @@ State is in the Optuna storage (trials, the config snapshot, the MLflow parent r
 baseline) and in MLflow (everything a human looks at). Any number of processes may drive one
 study; the last one to finish its trials writes the summary. `resume` continues a study after a
 crash: trials of dead processes are failed and their configurations queued again. What the
-trials train and how they are judged comes from the task kind (lorafleet.tasks).
+trials train and how they are judged comes from the task kind (lorafleet.core.tasks).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import time
 
 import optuna
 
-from lorafleet.tasks import TaskKind
+from lorafleet.core.tasks import TaskKind
 
 from .config import DEFAULT_TASK, LoadedConfig, from_raw, task_kind
 from .finalize import finalize, restore_summary

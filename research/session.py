@@ -16,9 +16,9 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from lorafleet import settings
-from lorafleet.metrics import flatten_params
-from lorafleet.tasks import TaskKind
+from lorafleet.core import settings
+from lorafleet.core.metrics import flatten_params
+from lorafleet.core.tasks import TaskKind
 
 from .config import LoadedConfig, config_point, space_fingerprint
 from .objective import DatasetCache, TrialObjective

@@ -23,8 +23,8 @@ import psutil
 from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy.exc import SQLAlchemyError
 
-from lorafleet import settings
-from lorafleet.config import ConfigError
+from lorafleet.core import settings
+from lorafleet.core.config import ConfigError
 
 from .config import (
     CategoricalParam,

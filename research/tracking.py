@@ -1,7 +1,7 @@
 """MLflow side of a research run: one parent run per study, one nested run per Optuna trial.
 
 Nested runs are found again by tags (study + trial number), never by order, so a resumed or a
-second process never logs a trial twice. Metric names follow lorafleet.metrics (`mlflow_key`
+second process never logs a trial twice. Metric names follow lorafleet.core.metrics (`mlflow_key`
 spells '@' as `_at_`, e.g. `dev_ndcg_at_10`) and are the same in every trial, so the compare view
 lines trials up.
 
@@ -24,9 +24,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from lorafleet import settings
-from lorafleet.metrics import mlflow_key
-from lorafleet.tasks import MetricSpec
+from lorafleet.core import settings
+from lorafleet.core.metrics import mlflow_key
+from lorafleet.core.tasks import MetricSpec
 
 TAG_STUDY = "lorafleet.study"
 TAG_ROLE = "lorafleet.role"

@@ -116,7 +116,7 @@ import torch
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lorafleet.causal import resolve_causal_source
+from lorafleet.models.causal import resolve_causal_source
 
 source = resolve_causal_source("SmolLM2-135M-Instruct")  # the packaged GGUF, converted to a float32 folder once
 

@@ -7,11 +7,11 @@ import logging
 import os
 import sys
 
-from lorafleet.config import ConfigError, FleetConfig, load_yaml_model
-from lorafleet.fleet_state import FleetStateError, fetch_fleet_config
-from lorafleet.nats_auth import CredentialsError
-from lorafleet.nats_client import add_client_arguments, quiet_tls_noise, settings_from_args
-from lorafleet.threads import GATEWAY_THREADS, pool_env
+from lorafleet.core.config import ConfigError, FleetConfig, load_yaml_model
+from lorafleet.core.fleet_state import FleetStateError, fetch_fleet_config
+from lorafleet.nats.auth import CredentialsError
+from lorafleet.nats.client import add_client_arguments, quiet_tls_noise, settings_from_args
+from lorafleet.ops.threads import GATEWAY_THREADS, pool_env
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -4,7 +4,7 @@ its tokenizer, and its vector size (embed) or its chat template and context (gen
 Loaded once per base, off the request path and off the event loop (tokenizer files are read from
 disk), by `load_bases`, which the gateway runs in a thread at start. What a base does is what its
 runtime plugin declares (`capabilities`, read through the core plugin door). A score base whose checkpoint has no
-score head (lorafleet/checkpoints.py: the loader draws one, which ranks at chance) is a `rerank-base`: only the
+score head (lorafleet/models/checkpoints.py: the loader draws one, which ranks at chance) is a `rerank-base`: only the
 specialists on it answer; the bare name is refused (serve/rerank.py).
 """
 
@@ -14,13 +14,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from lorafleet import plugins
-from lorafleet.checkpoints import head_in_checkpoint
-from lorafleet.config import BaseModelSpec, FleetConfig
-from lorafleet.models import resolve_model_source
+from lorafleet.core import plugins
+from lorafleet.core.config import BaseModelSpec, FleetConfig
+from lorafleet.core.model_source import resolve_model_source
+from lorafleet.core.wire import EMBED, GENERATE, SCORE
+from lorafleet.models.checkpoints import head_in_checkpoint
 from lorafleet.serve.prompts import CausalPrompts
 from lorafleet.serve.tokens import TokenCounter
-from lorafleet.wire import EMBED, GENERATE, SCORE
 
 RERANK_BASE = "rerank-base"  # /v1/models kind of a score base whose head was drawn at load
 

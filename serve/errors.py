@@ -19,7 +19,7 @@ import uuid
 import orjson
 from starlette.responses import Response
 
-from lorafleet import wire
+from lorafleet.core import wire
 
 
 class ApiError(Exception):

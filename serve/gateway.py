@@ -29,12 +29,12 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
 
-from lorafleet import heartbeats, wire
-from lorafleet.config import FleetConfig
-from lorafleet.fleet_state import FleetEntry, FleetWatcher, merge_models
-from lorafleet.nats_auth import explain_connect_error, gateway_inbox_prefix
-from lorafleet.nats_client import RECONNECT_OPTIONS, ClientSettings, server_urls
-from lorafleet.queue import ensure_fleet_streams, stream_exists
+from lorafleet.core import heartbeats, wire
+from lorafleet.core.config import FleetConfig
+from lorafleet.core.fleet_state import FleetEntry, FleetWatcher, merge_models
+from lorafleet.nats.auth import explain_connect_error, gateway_inbox_prefix
+from lorafleet.nats.client import RECONNECT_OPTIONS, ClientSettings, server_urls
+from lorafleet.nats.queue import ensure_fleet_streams, stream_exists
 from lorafleet.serve.admission import fits, judge
 from lorafleet.serve.auth import ApiKeys, load_api_keys
 from lorafleet.serve.bases import BaseInfo, load_bases

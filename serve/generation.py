@@ -17,14 +17,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from lorafleet.causal import CausalLMError
+from lorafleet.core.wire import GenerateParams, Result
+from lorafleet.models.causal import CausalLMError
 from lorafleet.serve.completions import CHAT, GenerationBody
 from lorafleet.serve.errors import ApiError, bad_request, worker_error
 from lorafleet.serve.pending import TIMEOUT, PendingRequest
 from lorafleet.serve.prompts import CausalPrompts
 from lorafleet.serve.resolver import Route
 from lorafleet.serve.textstream import TextStream
-from lorafleet.wire import GenerateParams, Result
 
 if TYPE_CHECKING:
     from lorafleet.serve.gateway import Gateway

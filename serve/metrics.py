@@ -7,9 +7,9 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from lorafleet.heartbeats import STATS_BUCKETS, GatewayStats, VersionCounts, bucket_index
+from lorafleet.core.heartbeats import STATS_BUCKETS, GatewayStats, VersionCounts, bucket_index
+from lorafleet.core.wire import consumer_name
 from lorafleet.serve.routekeys import RouteKeyTally
-from lorafleet.wire import consumer_name
 
 # Names, for dashboards and the report.
 REQUESTS = "lorafleet_gateway_requests"  # _total{route, model, code}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import Final
 
-from lorafleet.wire import Result
+from lorafleet.core.wire import Result
 
 # What deliver() did with a result.
 FILLED: Final = "filled"  # stored; more inputs outstanding

@@ -4,7 +4,7 @@ The gateway renders chat messages with the base's chat template (or a specialist
 bundle), counts the prompt's tokens with the same tokenizer and refuses what does not fit the context
 before anything is queued; the rendered prompt is what the task carries, so every runtime computes the
 same tokens (`GenerateParams.chat`: no special tokens are added on top, as vLLM's chat route does).
-The folder comes from `lorafleet.causal` (a packaged GGUF is converted once and cached), the context
+The folder comes from `lorafleet.models.causal` (a packaged GGUF is converted once and cached), the context
 from the base's `max_model_len` option or the model's config: the limit the runtimes use too.
 Loaded once per base, in a thread, when the gateway starts.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from lorafleet.causal import CausalLMError, context_length, resolve_causal_source
+from lorafleet.models.causal import CausalLMError, context_length, resolve_causal_source
 
 DEFAULT_CONTEXT = 2048  # when neither the option nor the model's config says
 

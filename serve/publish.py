@@ -22,8 +22,8 @@ from nats.js import JetStreamContext
 from nats.js.api import PubAck
 from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableError
 
-from lorafleet import wire
-from lorafleet.queue import JS_ERR_STREAM_FULL
+from lorafleet.core import wire
+from lorafleet.nats.queue import JS_ERR_STREAM_FULL
 from lorafleet.serve.errors import ApiError
 from lorafleet.serve.pending import TIMEOUT, PendingRequest
 

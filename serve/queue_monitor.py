@@ -2,7 +2,7 @@
 
 Three uses: admission control (the backlog per base), readiness (the stream and every base's
 consumer exist, and someone pulls from a consumer that has tasks waiting) and healing (a stream
-that vanished comes back: admin's layout keeper creates it, lorafleet/layout.py; a gateway with a
+that vanished comes back: admin's layout keeper creates it, lorafleet/ops/layout.py; a gateway with a
 credential may not create streams, so it waits, and only on a server without authentication does it
 create a missing one itself, `create_missing`). A stream seen with a new creation time was made again:
 `on_recreated` runs (the fleet bucket may have gone with it). A publish that finds no stream asks for
@@ -22,8 +22,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from lorafleet.config import FleetConfig
-from lorafleet.queue import ConsumerState, consumer_state, ensure_fleet_streams, stream_created
+from lorafleet.core.config import FleetConfig
+from lorafleet.nats.queue import ConsumerState, consumer_state, ensure_fleet_streams, stream_created
 
 log = logging.getLogger("lorafleet.serve")
 

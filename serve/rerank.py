@@ -32,8 +32,8 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from lorafleet import wire
-from lorafleet.checkpoints import untrained_head_message
+from lorafleet.core import wire
+from lorafleet.models.checkpoints import untrained_head_message
 from lorafleet.serve.errors import ApiError, bad_request, internal_error
 from lorafleet.serve.gateway import Gateway
 from lorafleet.serve.parsing import deadline_seconds, load_json_object, msgpack_reason

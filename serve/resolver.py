@@ -4,7 +4,7 @@ Base models serve themselves under their own name; each ServedModel adds a name 
 base with a LoRA adapter. A promoted name (fleet state) is also served pinned, NAME@N for its champion
 and each retained former champion (issue 25); its routes carry the version, which responses name.
 A name under a canary (`promote --canary P`) sends P % of its plain-name requests, by a sticky hash of each
-client's route key (lorafleet.fleet_state.route_bucket), to the canary version, also served pinned as NAME@N.
+client's route key (lorafleet.core.fleet_state.route_bucket), to the canary version, also served pinned as NAME@N.
 `set_models` swaps the adapter routes atomically at runtime (the
 registry feeds it from the fleet KV bucket), so a lookup never sees a half-updated table.
 """
@@ -17,9 +17,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lorafleet.config import ConfigError, FleetConfig, ServedModel, check_served_models
-from lorafleet.fleet_state import FleetEntry, route_bucket
-from lorafleet.refs import PinnedNameError, parse_pinned, pinned_name
+from lorafleet.core.config import ConfigError, FleetConfig, ServedModel, check_served_models
+from lorafleet.core.fleet_state import FleetEntry, route_bucket
+from lorafleet.core.refs import PinnedNameError, parse_pinned, pinned_name
 from lorafleet.serve.errors import ApiError, clip
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import threading
 
-from lorafleet.heartbeats import RouteKeys
+from lorafleet.core.heartbeats import RouteKeys
 from lorafleet.serve.resolver import Resolver
 
 ROUTE_KEY_SOURCE_HEADER = "X-Lorafleet-Route-Key-Source"

@@ -29,9 +29,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route as HttpRoute
 
-from lorafleet import wire
-from lorafleet.config import FleetConfig
-from lorafleet.nats_client import ClientSettings
+from lorafleet.core import wire
+from lorafleet.core.config import FleetConfig
+from lorafleet.nats.client import ClientSettings
 from lorafleet.serve.completions import CHAT, COMPLETION, DONE, Shaper, error_event, parse_generation
 from lorafleet.serve.errors import REQUEST_ID_HEADER, ApiError, bad_request, error_response, internal_error
 from lorafleet.serve.gateway import Gateway

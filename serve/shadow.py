@@ -15,7 +15,7 @@ runs to its end (a batch runtime computes one adapter's batch at a time), so on 
 champion request that arrives meanwhile waits for it: bench/shadow.py measures what that costs the champion's p99.
 
 The cumulative figures are published every `PUBLISH_EVERY_S` on
-`lorafleet.stats.gateway.<id>.shadow` (lorafleet.agreement.GatewayShadowStats); `promote --finish/--abort` sums
+`lorafleet.stats.gateway.<id>.shadow` (lorafleet.core.agreement.GatewayShadowStats); `promote --finish/--abort` sums
 them over all gateways and logs them to the candidate's MLflow run.
 """
 
@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from lorafleet.agreement import (
+from lorafleet.core.agreement import (
     GatewayShadowStats,
     ShadowFigures,
     ShadowKey,
@@ -40,7 +40,7 @@ from lorafleet.agreement import (
     rank_overlap,
     shadow_subject,
 )
-from lorafleet.fleet_state import FleetEntry
+from lorafleet.core.fleet_state import FleetEntry
 from lorafleet.serve.errors import ApiError
 from lorafleet.serve.resolver import Route, Specialist
 

@@ -24,7 +24,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Literal
 
-from lorafleet.wire import Result
+from lorafleet.core.wire import Result
 
 DIVERGED = ("stream_interrupted",
             "the worker generating this answer stopped, and generating it again gave a different text than the "

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from lorafleet.models import tokenizer_file
+from lorafleet.core.model_source import tokenizer_file
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from lorafleet.wire import Heartbeat
+from lorafleet.core.wire import Heartbeat
 
 
 @dataclass(slots=True)

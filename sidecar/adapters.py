@@ -8,7 +8,7 @@
 - **disk**: the peft folder a URI resolves to (a local path, or the registry's bundle cache, which
   `registry.store` bounds by `LORAFLEET_BUNDLE_CACHE_BYTES`); **registry**: what a plugin scheme such as
   `models:` downloads into that cache. URIs are resolved by the core adapter-source contract
-  (`lorafleet.adapters.resolve_adapter_uri`, or the worker's `AdapterPolicy.resolve`).
+  (`lorafleet.core.adapters.resolve_adapter_uri`, or the worker's `AdapterPolicy.resolve`).
 
 An adapter's bytes are its weights' `nbytes` when the runtime read them, else the size of its
 `*.safetensors` / `*.bin` files. A hot adapter keeps a reference to its host copy, so moving it down costs
@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from lorafleet.adapters import AdapterUnavailable, local_path_of, resolve_adapter_uri
-from lorafleet.config import MIB
+from lorafleet.core.adapters import AdapterUnavailable, local_path_of, resolve_adapter_uri
+from lorafleet.core.config import MIB
 from lorafleet.sidecar.runtime import AdapterWeights, Runtime
 
 log = logging.getLogger(__name__)

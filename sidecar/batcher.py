@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from lorafleet.config import ServingProfile
-from lorafleet.wire import EMBED, SCORE, GenerateParams, Task
+from lorafleet.core.config import ServingProfile
+from lorafleet.core.wire import EMBED, SCORE, GenerateParams, Task
 
 ProfileFor = Callable[[str, str | None], ServingProfile]
 

@@ -5,7 +5,7 @@ A cross-encoder reads a (query, document) pair together and answers one relevanc
 (the packaged MiniLM) becomes a cross-encoder with a fresh classification head. That head is drawn
 from a fixed seed (`FRESH_HEAD_SEED`): every worker of the base, on any host, scores alike. Such a head ranks at
 chance, so the base serves only its adapters (`trained_head` False: the worker refuses its bare score tasks, the
-gateway answers 409; lorafleet/checkpoints.py decides from the checkpoint's weights); a checkpoint that ships its
+gateway answers 409; lorafleet/models/checkpoints.py decides from the checkpoint's weights); a checkpoint that ships its
 head (a hub cross-encoder) serves by itself too.
 
 Adapters are peft LoRAs of task type SEQ_CLS trained with `modules_to_save=["classifier"]`: the
@@ -31,12 +31,12 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from lorafleet.adapters import AdapterUnavailable
-from lorafleet.checkpoints import head_in_checkpoint
-from lorafleet.config import BaseModelSpec
-from lorafleet.models import resolve_model_source
+from lorafleet.core.adapters import AdapterUnavailable
+from lorafleet.core.config import BaseModelSpec
+from lorafleet.core.model_source import resolve_model_source
+from lorafleet.core.wire import SCORE
+from lorafleet.models.checkpoints import head_in_checkpoint
 from lorafleet.sidecar.runtime import Runtime, check_row_adapters
-from lorafleet.wire import SCORE
 
 log = logging.getLogger(__name__)
 

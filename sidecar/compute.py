@@ -26,8 +26,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from lorafleet.adapters import AdapterUnavailable
-from lorafleet.deadlines import local_deadline
+from lorafleet.core.adapters import AdapterUnavailable
+from lorafleet.core.deadlines import local_deadline
+from lorafleet.core.wire import GENERATE, SCORE
 from lorafleet.sidecar.acks import Situation
 from lorafleet.sidecar.adapters import AdapterCache
 from lorafleet.sidecar.batcher import Batch
@@ -35,7 +36,6 @@ from lorafleet.sidecar.generation import generate_batch
 from lorafleet.sidecar.runtime import Runtime
 from lorafleet.sidecar.scoring import score_batch
 from lorafleet.sidecar.settle import Outcome
-from lorafleet.wire import GENERATE, SCORE
 
 log = logging.getLogger(__name__)
 

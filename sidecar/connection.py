@@ -26,12 +26,13 @@ from typing import Any
 
 import nats
 
-from lorafleet.config import FleetConfig
-from lorafleet.fleet_state import FleetEntry, FleetWatcher
-from lorafleet.heartbeats import Beacon
-from lorafleet.nats_auth import explain_connect_error
-from lorafleet.nats_client import RECONNECT_OPTIONS, server_urls
-from lorafleet.queue import consumer_config
+from lorafleet.core.config import FleetConfig
+from lorafleet.core.fleet_state import FleetEntry, FleetWatcher
+from lorafleet.core.heartbeats import Beacon
+from lorafleet.core.wire import GENERATE, Heartbeat, consumer_name, heartbeat_subject
+from lorafleet.nats.auth import explain_connect_error
+from lorafleet.nats.client import RECONNECT_OPTIONS, server_urls
+from lorafleet.nats.queue import consumer_config
 from lorafleet.sidecar.acks import Situation
 from lorafleet.sidecar.batcher import Batch, ProfileFor
 from lorafleet.sidecar.consumers import ConsumerKeeper
@@ -47,7 +48,6 @@ from lorafleet.sidecar.runtime import EngineRuntime
 from lorafleet.sidecar.scheduler import PullScheduler
 from lorafleet.sidecar.settle import HeldTable, Outcome, Settlement, Settler, num_delivered
 from lorafleet.sidecar.streaming import TextStreams
-from lorafleet.wire import GENERATE, Heartbeat, consumer_name, heartbeat_subject
 
 log = logging.getLogger(__name__)
 

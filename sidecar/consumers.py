@@ -20,9 +20,9 @@ from typing import Any
 
 from nats.js.errors import NotFoundError
 
-from lorafleet.config import QueueConfig
-from lorafleet.queue import ensure_consumer, stream_exists
-from lorafleet.wire import consumer_name
+from lorafleet.core.config import QueueConfig
+from lorafleet.core.wire import consumer_name
+from lorafleet.nats.queue import ensure_consumer, stream_exists
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
-from lorafleet.adapters import AdapterUnavailable
+from lorafleet.core.adapters import AdapterUnavailable
 from lorafleet.sidecar.adapters import AdapterEvents
 from lorafleet.sidecar.runtime import EngineRuntime
 

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from lorafleet.adapters import AdapterUnavailable
+from lorafleet.core.adapters import AdapterUnavailable
 from lorafleet.sidecar.acks import Situation
 from lorafleet.sidecar.batcher import Pulled
 from lorafleet.sidecar.engine_adapters import EngineAdapters

@@ -15,7 +15,7 @@ import logging
 import time
 from typing import Any
 
-from lorafleet.deadlines import local_deadline
+from lorafleet.core.deadlines import local_deadline
 from lorafleet.sidecar.acks import Situation
 from lorafleet.sidecar.batcher import Batch, Pulled
 from lorafleet.sidecar.runtime import ABORTED, Generated, GenerateInput, RequestRefused, Runtime

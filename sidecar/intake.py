@@ -15,12 +15,12 @@ import asyncio
 import time
 from typing import Any
 
-from lorafleet.deadlines import local_deadline
+from lorafleet.core.deadlines import local_deadline
+from lorafleet.core.wire import GENERATE, SCORE, GenerateParams, MalformedTask, ScoreParams, Task
 from lorafleet.sidecar.acks import Situation, is_last_delivery
 from lorafleet.sidecar.batcher import Pulled
 from lorafleet.sidecar.owners import Owner, OwnerTracker
 from lorafleet.sidecar.settle import HeldTable, Settlement, Settler, num_delivered
-from lorafleet.wire import GENERATE, SCORE, GenerateParams, MalformedTask, ScoreParams, Task
 
 
 class Intake:

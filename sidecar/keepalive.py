@@ -27,10 +27,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from lorafleet.deadlines import local_deadline
+from lorafleet.core.deadlines import local_deadline
+from lorafleet.core.wire import Task
 from lorafleet.sidecar.batcher import Batch
 from lorafleet.sidecar.settle import Held, HeldTable
-from lorafleet.wire import Task
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
-from lorafleet.adapters import AdapterUnavailable
-from lorafleet.fleet_state import FleetEntry
+from lorafleet.core.adapters import AdapterUnavailable
+from lorafleet.core.fleet_state import FleetEntry
 from lorafleet.sidecar.adapters import AdapterCache
 from lorafleet.sidecar.engine_adapters import EngineAdapters
 

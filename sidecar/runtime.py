@@ -24,10 +24,10 @@ Contract (both):
   is cheap.
 - Precision: `precisions(device)` (a class method) declares the number formats it can serve a base at
   there (default fp32 only); `create_runtime` refuses an explicit `BaseModelSpec.precision` outside them,
-  and the runtime sets `precision` to the one it serves (resolving `auto`, lorafleet/precision.py).
+  and the runtime sets `precision` to the one it serves (resolving `auto`, lorafleet/models/precision.py).
 - Calls, in order: `__init__(spec, device)` once (an engine's `start()` next); then any number of
   `load_adapter` / `unload_adapter` / capability calls; `close` once. `load_adapter` raises
-  `lorafleet.adapters.AdapterUnavailable` for an adapter that can never fit this base.
+  `lorafleet.core.adapters.AdapterUnavailable` for an adapter that can never fit this base.
 """
 
 from __future__ import annotations
@@ -40,12 +40,12 @@ from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
-from lorafleet import plugins
-from lorafleet.adapters import AdapterUnavailable
-from lorafleet.config import BaseModelSpec
-from lorafleet.device import resolve_device
-from lorafleet.precision import JudgedModel, check_precision
-from lorafleet.wire import CAPABILITIES, EMBED, GenerateParams
+from lorafleet.core import plugins
+from lorafleet.core.adapters import AdapterUnavailable
+from lorafleet.core.config import BaseModelSpec
+from lorafleet.core.wire import CAPABILITIES, EMBED, GenerateParams
+from lorafleet.models.device import resolve_device
+from lorafleet.models.precision import JudgedModel, check_precision
 
 __all__ = ["ABORTED", "AdapterUnavailable", "AdapterWeights",
            "EngineDown", "EngineRuntime", "EngineStats", "GenerateInput", "Generated",
@@ -124,7 +124,7 @@ class Runtime(ABC):
     # True when `encode_mixed` (or `score_mixed`) computes rows of different adapters in one forward pass; the
     # worker then forms batches per base instead of per (base, adapter).
     mixed_adapters: ClassVar[bool] = False
-    # The precision the base is served at (lorafleet.precision): set by a runtime that resolves its spec's.
+    # The precision the base is served at (lorafleet.models.precision): set by a runtime that resolves its spec's.
     precision: str = "fp32"
 
     @classmethod
@@ -136,7 +136,8 @@ class Runtime(ABC):
     def use_judged(self, models: Collection[JudgedModel], resolve: Callable[[str], Path] | None = None) -> object:
         """Optional hook, called once after the fleet state is read and before serving: each model served on this
         base, its tuned precision (None: none recorded) and adapter (`resolve` makes a URI a local folder). A
-        runtime whose `auto` follows them resolves here (lorafleet.precision.served_precision). Default: nothing."""
+        runtime whose `auto` follows them resolves here (lorafleet.models.precision.served_precision).
+        Default: nothing."""
         return None
 
     # -- embed ---------------------------------------------------------------------------------------

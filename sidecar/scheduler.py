@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from lorafleet.config import FleetConfig
+from lorafleet.core.config import FleetConfig
 from lorafleet.sidecar.acks import Situation
 from lorafleet.sidecar.batcher import Batch, ProfileFor, Pulled, form_batches
 from lorafleet.sidecar.intake import Intake

@@ -22,13 +22,13 @@ import logging
 
 import numpy as np
 
-from lorafleet.checkpoints import untrained_head_message
+from lorafleet.core.wire import SCORE, ScoreParams
+from lorafleet.models.checkpoints import untrained_head_message
 from lorafleet.sidecar.acks import Situation
 from lorafleet.sidecar.batcher import Batch
 from lorafleet.sidecar.ce_runtime import CrossEncoderRuntime
 from lorafleet.sidecar.runtime import Runtime
 from lorafleet.sidecar.settle import Outcome, Scores
-from lorafleet.wire import SCORE, ScoreParams
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,17 @@ from typing import Any
 
 from nats.errors import NoRespondersError
 
-from lorafleet.config import QueueConfig
+from lorafleet.core.config import QueueConfig
+from lorafleet.core.wire import (
+    HDR_DLQ_DELIVERIES,
+    HDR_DLQ_REASON,
+    HDR_DLQ_SUBJECT,
+    HDR_MSG_ID,
+    Result,
+    Task,
+    dlq_subject,
+    unpack,
+)
 from lorafleet.sidecar.acks import (
     REPLY_RESULT,
     Action,
@@ -42,16 +52,6 @@ from lorafleet.sidecar.acks import (
 )
 from lorafleet.sidecar.batcher import Batch
 from lorafleet.sidecar.runtime import Generated
-from lorafleet.wire import (
-    HDR_DLQ_DELIVERIES,
-    HDR_DLQ_REASON,
-    HDR_DLQ_SUBJECT,
-    HDR_MSG_ID,
-    Result,
-    Task,
-    dlq_subject,
-    unpack,
-)
 
 log = logging.getLogger(__name__)
 

@@ -22,10 +22,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from lorafleet.adapters import AdapterUnavailable
-from lorafleet.config import BaseModelSpec
-from lorafleet.models import resolve_model_source
-from lorafleet.precision import (
+from lorafleet.core.adapters import AdapterUnavailable
+from lorafleet.core.config import BaseModelSpec
+from lorafleet.core.model_source import resolve_model_source
+from lorafleet.core.wire import EMBED
+from lorafleet.models.precision import (
     AUTO,
     AUTO_ENV,
     FP32,
@@ -46,7 +47,6 @@ from lorafleet.precision import (
 from lorafleet.sidecar.batcher import padding_cuts
 from lorafleet.sidecar.pull import BatchTime
 from lorafleet.sidecar.runtime import AdapterWeights, Runtime, check_row_adapters
-from lorafleet.wire import EMBED
 
 log = logging.getLogger(__name__)
 

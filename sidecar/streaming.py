@@ -28,8 +28,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from lorafleet.deadlines import local_deadline
-from lorafleet.wire import RECEIPT_CANCEL, Result, Task
+from lorafleet.core.deadlines import local_deadline
+from lorafleet.core.wire import RECEIPT_CANCEL, Result, Task
 
 log = logging.getLogger(__name__)
 

@@ -24,12 +24,12 @@ from typing import Any, ClassVar
 
 from pydantic import Field, ValidationError
 
-from lorafleet.adapters import AdapterUnavailable
-from lorafleet.causal import context_length, resolve_causal_source
-from lorafleet.config import BaseModelSpec, ConfigError, StrictModel, format_validation_error
-from lorafleet.precision import AUTO, GATED, JudgedModel, ServedPrecision, served_precision
+from lorafleet.core.adapters import AdapterUnavailable
+from lorafleet.core.config import BaseModelSpec, ConfigError, StrictModel, format_validation_error
+from lorafleet.core.wire import GENERATE
+from lorafleet.models.causal import context_length, resolve_causal_source
+from lorafleet.models.precision import AUTO, GATED, JudgedModel, ServedPrecision, served_precision
 from lorafleet.sidecar.runtime import ABORTED, Generated, GenerateInput, RequestRefused, Runtime, TokenSink
-from lorafleet.wire import GENERATE
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class TransformersRuntime(Runtime):
 
     @classmethod
     def precisions(cls, device: str) -> frozenset[str]:
-        from lorafleet.precision import supported_precisions
+        from lorafleet.models.precision import supported_precisions
 
         return supported_precisions(device) - {"int8"}  # the weights' dtype; no quantisation here
 
@@ -129,7 +129,7 @@ class TransformersRuntime(Runtime):
     # -- adapters ------------------------------------------------------------------------------------
     def use_judged(self, models: Collection[JudgedModel], resolve: Callable[[str], Path] | None = None
                    ) -> ServedPrecision:
-        """Under `precision: auto`, serve the precision the base's models were judged at (lorafleet.precision.
+        """Under `precision: auto`, serve the precision the base's models were judged at (lorafleet.models.precision.
         served_precision): the fp32 weights are cast down once, before adapters load (a cast from fp32 rounds as
         loading at that dtype would). An explicit precision or options.dtype stays as set (an override)."""
         import torch

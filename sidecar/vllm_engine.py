@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lorafleet.ops.threads import POOL_VARIABLES
 from lorafleet.sidecar.vllm_files import write_support_files
 from lorafleet.sidecar.vllm_protocol import (
     EngineConfig,
@@ -66,7 +67,6 @@ from lorafleet.sidecar.vllm_protocol import (
     parse_metrics,
     request_body,
 )
-from lorafleet.threads import POOL_VARIABLES
 
 if TYPE_CHECKING:
     import httpx
@@ -184,7 +184,7 @@ class VllmEngine:
         )
         if _device(c) == "cpu":
             # vLLM pins its CPU worker to the cores it binds and sizes that worker's OpenMP team itself. The pool
-            # sizes inherited from this worker (lorafleet/threads.py: 2 each on a 2-CPU host) left pools of two on
+            # sizes inherited from this worker (lorafleet/ops/threads.py: 2 each on a 2-CPU host) left pools of two on
             # the one core vLLM bound: greedy decoding of SmolLM2 ran 18x slower, with a LoRA 37x (0.2 tokens/s,
             # measured). An engine's own `extra_env` may still set them.
             for name in POOL_VARIABLES:

@@ -30,11 +30,12 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
-from lorafleet import settings
-from lorafleet.adapters import AdapterUnavailable
-from lorafleet.causal import context_length, resolve_causal_source
-from lorafleet.config import BaseModelSpec, ConfigError, StrictModel, format_validation_error
-from lorafleet.precision import AUTO, GATED, JudgedModel, ServedPrecision, served_precision
+from lorafleet.core import settings
+from lorafleet.core.adapters import AdapterUnavailable
+from lorafleet.core.config import BaseModelSpec, ConfigError, StrictModel, format_validation_error
+from lorafleet.core.wire import GENERATE
+from lorafleet.models.causal import context_length, resolve_causal_source
+from lorafleet.models.precision import AUTO, GATED, JudgedModel, ServedPrecision, served_precision
 from lorafleet.sidecar.runtime import (
     EngineDown,
     EngineRuntime,
@@ -45,7 +46,6 @@ from lorafleet.sidecar.runtime import (
 )
 from lorafleet.sidecar.vllm_engine import EngineConfig, VllmEngine, already_loaded
 from lorafleet.sidecar.vllm_protocol import EngineDied, EngineError, EngineRequestError, GenerateRequest, TextDelta
-from lorafleet.wire import GENERATE
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ class VllmRuntime(EngineRuntime):
     def use_judged(self, models: Collection[JudgedModel], resolve: Callable[[str], Path] | None = None
                    ) -> ServedPrecision:
         """Before `start`: under `precision: auto`, serve the precision the base's models were judged at (each
-        one's tuned verdict, None: judged at fp32 only; lorafleet.precision.served_precision). An explicit
+        one's tuned verdict, None: judged at fp32 only; lorafleet.models.precision.served_precision). An explicit
         precision or options.dtype stays as set: the operator's override, reported as such."""
         declared = AUTO if self._auto else self.precision
         verdict = served_precision(declared, [m.judged for m in models], self.precisions(self.device))

@@ -20,10 +20,10 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-from lorafleet.adapters import AdapterPolicy, local_path_of
-from lorafleet.config import ConfigError, FleetConfig, ServingProfile
-from lorafleet.fleet_state import by_adapter_id
-from lorafleet.precision import JudgedModel
+from lorafleet.core.adapters import AdapterPolicy, local_path_of
+from lorafleet.core.config import ConfigError, FleetConfig, ServingProfile
+from lorafleet.core.fleet_state import by_adapter_id
+from lorafleet.models.precision import JudgedModel
 from lorafleet.sidecar.adapters import AdapterCache
 from lorafleet.sidecar.compute import Computer
 from lorafleet.sidecar.connection import NatsSide

@@ -35,7 +35,7 @@ def _find_statutes() -> tuple[Path | None, str]:
     """Where the statutes are (LORAFLEET_DATA_DIR, which CI sets, else the cache that `lorafleet data fetch` filled
     in the user's lorafleet home: `bash scripts/setup.sh` fetches it once), and the one line that says how to
     provide them when they are not there. Read only: a test session never fetches or writes into that home."""
-    from lorafleet import settings
+    from lorafleet.core import settings
 
     found = settings.find_statutes()
     raw = os.environ.get("LORAFLEET_DATA_DIR")
@@ -65,7 +65,7 @@ def data_dir() -> Path:
 
 def _for_want_of_statutes(call: pytest.CallInfo[None], report: pytest.TestReport) -> bool:
     """A failure that is the product saying "no statutes" (in-process DataDirError, or a command's output)."""
-    from lorafleet.settings import DataDirError
+    from lorafleet.core.settings import DataDirError
 
     exc: BaseException | None = call.excinfo.value if call.excinfo is not None else None
     while exc is not None:
@@ -110,7 +110,7 @@ def _isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 @pytest.fixture
 def nats_server(tmp_path: Path) -> Iterator[object]:
     """A real nats-server with JetStream on a free loopback port, file store in tmp_path."""
-    from lorafleet.nats_server import NatsServer
+    from lorafleet.nats.server import NatsServer
 
     server = NatsServer(tmp_path / "nats").start()
     try:

@@ -1,152 +1,143 @@
-"""One full training run, as `lorafleet train` does it: dataset, baselines, LoRA, evaluation, report, MLflow."""
+"""One standalone training run (`lorafleet train`), the same for every kind: dataset, baselines, training with the
+one look at test, metrics.json and report.md, and the MLflow run. A kind supplies its parts as a `KindRun`."""
 
 from __future__ import annotations
 
 import json
 import logging
 import time
+from abc import ABC, abstractmethod
 from pathlib import Path
+from typing import Any, ClassVar
 
 import yaml
 
-from lorafleet import settings
-from lorafleet.device import resolve_device
-from lorafleet.metrics import prefixed
-from lorafleet.tasks import TrainResult
+from lorafleet.core import settings
+from lorafleet.core.tasks import EpochCallback, TaskKind, TrainResult
 from lorafleet.train import tracking
-from lorafleet.train.config import DataConfig, TrainConfig
-from lorafleet.train.dataset import RetrievalDataset, build_dataset
-from lorafleet.train.evaluate import METRICS, BM25Evaluator, DenseEvaluator
-from lorafleet.train.trainer import CostMeter, load_base_model, train_adapter
+from lorafleet.train.loop import CostMeter
 
 log = logging.getLogger("lorafleet.train")
 
-HEADLINE = "test_ndcg@10"
-TASK = "retrieval"  # the task kind whose headline metrics and view a run gets in MLflow
+
+def default_out_dir(prefix: str = "train") -> Path:
+    return settings.home() / "runs" / time.strftime(f"{prefix}-%Y%m%d-%H%M%S")
 
 
-def default_out_dir() -> Path:
-    return settings.home() / "runs" / time.strftime("train-%Y%m%d-%H%M%S")
-
-
-def baselines(cfg: TrainConfig, dataset: RetrievalDataset) -> dict[str, float]:
-    """Base model and BM25 on dev and test, prefixed `base_` and `bm25_`."""
-    t0 = time.perf_counter()
-    bm25 = BM25Evaluator(dataset).evaluate(["dev", "test"])
-    log.info("bm25: dev_ndcg@10 %.4f  test_ndcg@10 %.4f  (%.0f s)", bm25["dev_ndcg@10"], bm25["test_ndcg@10"],
-             time.perf_counter() - t0)
-    t0 = time.perf_counter()
-    model = load_base_model(cfg.base_model, resolve_device(cfg.device), cfg.max_seq_length)
-    base = DenseEvaluator(dataset, cfg.eval_batch_size).evaluate(model, ["dev", "test"])
-    log.info("base: dev_ndcg@10 %.4f  test_ndcg@10 %.4f  (%.0f s)", base["dev_ndcg@10"], base["test_ndcg@10"],
-             time.perf_counter() - t0)
-    return {**prefixed(base, "base"), **prefixed(bm25, "bm25")}
-
-
-def relative_lift(metrics: dict[str, float], split: str = "test", metric: str = "ndcg@10") -> float:
-    base = metrics.get(f"base_{split}_{metric}", 0.0)
-    return (metrics[f"{split}_{metric}"] - base) / base if base > 0 else float("nan")
-
-
-def _data_line(cfg: TrainConfig) -> str:
-    d = cfg.data
-    if isinstance(d, DataConfig):
-        return f"- laws: {', '.join(d.laws)}; query kinds: {', '.join(d.query_kinds)}"
-    tables = [f"{t} `{ref.label()}`" for t in ("corpus", "queries", "qrels", "pairs")
-              if (ref := getattr(d, t)) is not None]
-    return f"- your data, layout `{d.layout}`: " + ", ".join(tables)
-
-
-def write_report(path: Path, cfg: TrainConfig, dataset: RetrievalDataset, result: TrainResult) -> Path:
-    m = result.metrics
-    lines = [
-        "# LoRA training report",
-        "",
-        f"- base model: `{cfg.base_model}`, max_seq_length {cfg.max_seq_length}, device {result.extras.get('device')}, "
-        f"training precision {result.extras.get('training_precision', 'fp32')}",
-        _data_line(cfg),
-        f"- dataset digest: `{dataset.digest}`",
-        "- dataset: " + ", ".join(f"{k} {v}" for k, v in dataset.summary().items()),
-        f"- LoRA r={cfg.lora.r} alpha={cfg.lora.alpha} dropout={cfg.lora.dropout} targets={cfg.lora.target_modules}; "
-        f"loss {cfg.loss}, lr {cfg.learning_rate}, epochs {cfg.epochs}, batch {cfg.batch_size}, "
-        f"hard negatives {cfg.data.hard_negatives} ({int(m.get('train_pairs', 0))} training pairs, "
-        f"{int(m.get('train_random_negative_queries', 0))} with random instead of mined negatives)",
-        "",
-        "Relevance is at section level; a section scores the best of its chunks (MaxP).",
-        "",
-    ]
-    for split in ("dev", "test"):
-        lines += [f"## {split}", "", "| metric | BM25 | base | LoRA | LoRA vs base |", "|---|---|---|---|---|"]
-        for name in METRICS:
-            key = f"{split}_{name}"
-            base = m.get(f"base_{key}", float("nan"))
-            lift = (m[key] - base) / base * 100 if base else float("nan")
-            lines.append(f"| {name} | {m.get(f'bm25_{key}', float('nan')):.4f} | {base:.4f} | {m[key]:.4f} | "
-                         f"{lift:+.1f} % |")
-        for kind in sorted({q.kind for q in dataset.query_info.values()}):
-            key = f"{split}_{kind}_ndcg@10"
-            if key in m:
-                lines.append(f"| ndcg@10, {kind} queries only | {m.get('bm25_' + key, float('nan')):.4f} | "
-                             f"{m.get('base_' + key, float('nan')):.4f} | {m[key]:.4f} | "
-                             f"{relative_lift(m, split, f'{kind}_ndcg@10') * 100:+.1f} % |")
-        lines.append("")
-    lines += ["## Epochs", "", "| epoch | train loss | dev nDCG@10 | dev MRR@10 |", "|---|---|---|---|"]
-    lines += [f"| {int(e['epoch'])} | {e['train_loss']:.4f} | {e['dev_ndcg@10']:.4f} | {e['dev_mrr@10']:.4f} |"
-              for e in result.epochs]
-    c = result.cost
-    lines += ["", "## Cost", "",
-              f"wall {c['wall_s']:.0f} s, CPU {c['cpu_s']:.0f} s, peak RSS {c['peak_rss_mb']:.0f} MB, "
-              f"≈ ${c['usd']:.4f} at ${cfg.price_per_hour_usd}/h", ""]
+def save_report(path: Path, lines: list[str], cost: dict[str, float], price_per_hour_usd: float,
+                note: str = "") -> Path:
+    """`lines` and the run's cost section (with `note` after it, e.g. training throughput) as `path`."""
+    lines = [*lines, "## Cost", "",
+             f"wall {cost['wall_s']:.0f} s, CPU {cost['cpu_s']:.0f} s, peak RSS {cost['peak_rss_mb']:.0f} MB, "
+             f"≈ ${cost['usd']:.4f} at ${price_per_hour_usd}/h{note}", ""]
     path.write_text("\n".join(lines))
     return path
 
 
-def run_train(
-    cfg: TrainConfig,
-    out_dir: Path | None = None,
-    *,
-    log_mlflow: bool = True,
-    mlflow_run_name: str | None = None,
-) -> TrainResult:
-    """Build the dataset, score the baselines, train, evaluate, write `metrics.json` + `report.md`, log to MLflow."""
-    meter = CostMeter(cfg.price_per_hour_usd)
-    out = Path(out_dir) if out_dir is not None else default_out_dir()
-    out.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    dataset = build_dataset(cfg)
-    log.info("dataset %s: %s (%.0f s)", dataset.digest[:12], dataset.summary(), time.perf_counter() - t0)
-    (out / "train_config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False, allow_unicode=True))
+class KindRun(ABC):
+    """One kind's parts of a standalone run; `run_kind` drives them and owns the rest (folders, MLflow, cost).
 
-    with tracking.train_run(mlflow_run_name, enabled=log_mlflow) as run:
+    Call order, in the caller's thread: `build_dataset()` → `baselines(dataset)` (flat `base_*`/`<baseline>_*`
+    metrics, merged into the result) → `train(dataset, out, on_epoch, evaluate_test=True)` (the kind's training
+    with test scored once; `on_epoch` logs each epoch's dev metrics to MLflow) → `finish(result, dataset, out)`
+    (optional: further metrics, extra files) → `report(path, dataset, result)` → `details(result, dataset)`
+    (optional: what metrics.json records beside the metrics) → `done(result, out)` (optional: the last log line).
+    `task` names the kind in MLflow; `out_prefix` starts the default output folder's name.
+    """
+
+    task: ClassVar[str]
+    out_prefix: ClassVar[str] = "train"
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+
+    @abstractmethod
+    def build_dataset(self) -> Any: ...
+
+    @abstractmethod
+    def baselines(self, dataset: Any) -> dict[str, float]: ...
+
+    @abstractmethod
+    def train(self, dataset: Any, out: Path, on_epoch: EpochCallback | None, *, evaluate_test: bool) -> TrainResult:
+        ...
+
+    @abstractmethod
+    def report(self, path: Path, dataset: Any, result: TrainResult) -> Path: ...
+
+    def finish(self, result: TrainResult, dataset: Any, out: Path) -> None:
+        return None
+
+    def details(self, result: TrainResult, dataset: Any) -> dict[str, Any]:
+        return {}
+
+    def done(self, result: TrainResult, out: Path) -> None:
+        return None
+
+
+def run_kind(kind: KindRun, out_dir: Path | None = None, *, log_mlflow: bool = True,
+             run_name: str | None = None) -> TrainResult:
+    """Build the dataset, score the baselines, train (test once), write `train_config.yaml`, `metrics.json` and
+    `report.md` into `out_dir`, and (with `log_mlflow`) track it all as one MLflow run."""
+    cfg = kind.cfg
+    meter = CostMeter(cfg.price_per_hour_usd)
+    out = Path(out_dir) if out_dir is not None else default_out_dir(kind.out_prefix)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "train_config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False,
+                                                          allow_unicode=True))
+    t0 = time.perf_counter()
+    dataset = kind.build_dataset()
+    log.info("dataset %s: %s (%.0f s)", dataset.digest[:12], dataset.summary(), time.perf_counter() - t0)
+    stages: dict[str, float] = {"dataset_s": round(time.perf_counter() - t0, 2)}
+    with tracking.train_run(run_name, enabled=log_mlflow) as run:
         if run is not None:
-            tracking.log_config(cfg, TASK)
-            tracking.log_dataset(dataset.to_frame(), tracking.dataset_name(TASK, dataset), dataset.digest,
+            tracking.log_config(cfg, kind.task)
+            tracking.log_dataset(dataset.to_frame(), tracking.dataset_name(kind.task, dataset), dataset.digest,
                                  dataset.summary())
-        base = baselines(cfg, dataset)
+        t0 = time.perf_counter()
+        base = kind.baselines(dataset)
+        stages["baselines_s"] = round(time.perf_counter() - t0, 2)
         if run is not None:
-            tracking.log_headline(base, TASK)  # all of them reach the run's table with the result
+            tracking.log_headline(base, kind.task)  # all of them reach the run's table with the result
 
         def on_epoch(epoch: int, dev: dict[str, float]) -> None:
             if run is not None:
-                tracking.log_epoch(epoch, dev, TASK)
+                tracking.log_epoch(epoch, dev, kind.task)
 
         # A standalone run is a single model, so it reports test; research trials never do (winner only).
-        result = train_adapter(cfg, dataset, out, on_epoch=on_epoch, evaluate_test=True)
+        result = kind.train(dataset, out, on_epoch, evaluate_test=True)
+        stages["train_and_eval_s"] = result.cost["wall_s"]
         result.metrics.update(base)
-        result.metrics["test_ndcg@10_lift"] = relative_lift(result.metrics, "test")
-        result.metrics["dev_ndcg@10_lift"] = relative_lift(result.metrics, "dev")
-        result.extras["train_cost"] = result.cost
+        result.extras.update(train_cost=result.cost, stages=stages)
+        kind.finish(result, dataset, out)
         result.cost = meter.read()
-        result.report_path = write_report(out / "report.md", cfg, dataset, result)
+        result.report_path = kind.report(out / "report.md", dataset, result)
         (out / "metrics.json").write_text(json.dumps({
             "metrics": result.metrics, "epochs": result.epochs, "cost": result.cost,
-            "train_cost": result.extras["train_cost"], "dataset_digest": dataset.digest,
-            "dataset": dataset.summary(), "base_model": cfg.base_model, "max_seq_length": cfg.max_seq_length,
-        }, indent=2, sort_keys=True))
+            "train_cost": result.extras["train_cost"], "dataset_digest": dataset.digest, "dataset": dataset.summary(),
+            **kind.details(result, dataset)}, indent=2, sort_keys=True))
         if run is not None:
-            tracking.log_result(run, result, out, live_epochs=True, task=TASK)
-        log.info("done: test_ndcg@10 %.4f (base %.4f, bm25 %.4f, lift %+.1f %%) in %.0f s → %s",
-                 result.metrics["test_ndcg@10"], result.metrics["base_test_ndcg@10"],
-                 result.metrics["bm25_test_ndcg@10"], 100 * result.metrics["test_ndcg@10_lift"],
-                 result.cost["wall_s"], out)
-        return result
+            tracking.log_result(run, result, out, live_epochs=True, task=kind.task)
+    kind.done(result, out)
+    return result
+
+
+class LoopKind(TaskKind):
+    """A task kind whose dataset, baselines, training and standalone run are those of its `KindRun`: a kind built
+    on lorafleet.train implements `kind_run(cfg)` (import the run's module inside it: loading a kind stays cheap)
+    and `evaluate`, and sets the TaskKind class attributes; research's `train` scores dev only."""
+
+    @abstractmethod
+    def kind_run(self, cfg: Any) -> KindRun: ...
+
+    def build_dataset(self, cfg: Any) -> Any:
+        return self.kind_run(cfg).build_dataset()
+
+    def baselines(self, cfg: Any, dataset: Any) -> dict[str, float]:
+        return self.kind_run(cfg).baselines(dataset)
+
+    def train(self, cfg: Any, dataset: Any, out_dir: Path, *, on_epoch: EpochCallback | None = None) -> TrainResult:
+        return self.kind_run(cfg).train(dataset, Path(out_dir), on_epoch, evaluate_test=False)
+
+    def run(self, cfg: Any, out_dir: Path | None = None, *, log_mlflow: bool = True,
+            run_name: str | None = None) -> TrainResult:
+        return run_kind(self.kind_run(cfg), out_dir, log_mlflow=log_mlflow, run_name=run_name)

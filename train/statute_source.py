@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from lorafleet import settings
-from lorafleet.settings import DATA_SOURCE_FILE, DataDirError
+from lorafleet.core import settings
+from lorafleet.core.settings import DATA_SOURCE_FILE, DataDirError
 
 DEFAULT_SOURCE = "https://github.com/bundestag/gesetze/archive/refs/heads/master.tar.gz"
 Say = Callable[[str], None]

@@ -13,8 +13,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated
 
-from lorafleet.settings import DataDirError
+from pydantic import AfterValidator
+
+from lorafleet.core.settings import DataDirError
 
 _HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*$")
 # "§ 433 Title", "§ 31a Title", "§ 86" (no title), "Art 3 - Title", "Art 1".
@@ -151,3 +154,13 @@ def parse_law_text(stem: str, raw: str) -> Law:
 def parse_law(data_dir: Path, stem: str) -> Law:
     path = law_path(data_dir, stem)
     return parse_law_text(stem, path.read_text(encoding="utf-8"))
+
+
+def _unique_laws(laws: list[str]) -> list[str]:
+    if len(set(laws)) != len(laws):
+        raise ValueError(f"laws must be unique, got {laws}")
+    return laws
+
+
+# The `data.laws` of every kind's statute data: file stems under LORAFLEET_DATA_DIR/gesetze, each once.
+LawStems = Annotated[list[str], AfterValidator(_unique_laws)]

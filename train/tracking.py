@@ -1,7 +1,7 @@
 """MLflow for a standalone training run (`lorafleet train`), shared by every task kind.
 
 A run goes to the experiment `lorafleet-train` (or becomes a child of the active run, inside a
-research study). Names follow lorafleet.metrics: flat `{split}_{metric}`, '@' spelled `_at_`.
+research study). Names follow lorafleet.core.metrics: flat `{split}_{metric}`, '@' spelled `_at_`.
 
 What the MLflow UI shows first is decided here, from the kind's `MetricSpec`: a run logs only the
 kind's headline metrics (`headline_set`: test and dev of the adapter, the base model and the
@@ -25,9 +25,9 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from lorafleet import settings
-from lorafleet.metrics import flatten_params, mlflow_key, mlflow_metrics, prefixed
-from lorafleet.tasks import MetricSpec, TrainResult, get_task_kind
+from lorafleet.core import settings
+from lorafleet.core.metrics import flatten_params, mlflow_key, mlflow_metrics, prefixed
+from lorafleet.core.tasks import MetricSpec, TrainResult, get_task_kind
 
 EXPERIMENT = "lorafleet-train"
 TAG_TASK = "lorafleet.task"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lorafleet.config import ServingProfile
+from lorafleet.core.config import ServingProfile
 
 
 @dataclass

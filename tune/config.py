@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from lorafleet.config import StrictModel
+from lorafleet.core.config import StrictModel
 
 
 class TuneError(RuntimeError):

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from lorafleet.precision import FP32, SPEED_ORDER
+from lorafleet.models.precision import FP32, SPEED_ORDER
 from lorafleet.tune.precision import PrecisionQuality, relative_loss
 
 Messages = list[dict[str, str]]

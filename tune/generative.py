@@ -46,11 +46,11 @@ from typing import Any
 import httpx
 import yaml
 
-from lorafleet import plugins, settings
-from lorafleet.cluster import ClusterError, LocalCluster
-from lorafleet.config import BaseModelSpec, FleetConfig, GatewayConfig, ServedModel, ServingProfile, WorkerConfig
-from lorafleet.nats_server import free_port
-from lorafleet.precision import FP32
+from lorafleet.core import plugins, settings
+from lorafleet.core.config import BaseModelSpec, FleetConfig, GatewayConfig, ServedModel, ServingProfile, WorkerConfig
+from lorafleet.models.precision import FP32
+from lorafleet.nats.server import free_port
+from lorafleet.ops.cluster import ClusterError, LocalCluster
 from lorafleet.tune.analysis import plateaued
 from lorafleet.tune.config import GenerativeTuneConfig, TuneError
 from lorafleet.tune.generation_guard import GenerationDev, Messages, chosen_precision, generation_guard
@@ -288,7 +288,7 @@ def judge_precisions(sweeper: GenerativeSweeper, source: TuneSource, cfg: Genera
     """The guard (generation_guard.py) on the running tuning cluster: the worker restarted at each candidate
     precision, the dev prompts answered through the gateway. Candidates: what the vllm runtime supports on the
     device, among `cfg.precisions`; the worker is left at the last precision generated."""
-    from lorafleet.device import resolve_device
+    from lorafleet.models.device import resolve_device
 
     device = resolve_device(cfg.device)
     supported = plugins.load(plugins.RUNTIMES, "vllm").precisions(device)
@@ -319,7 +319,7 @@ def run_generative_tune(source: TuneSource, cfg: GenerativeTuneConfig | None = N
     out_dir.mkdir(parents=True, exist_ok=True)
     work = out_dir / ".work"
     t0 = time.monotonic()
-    from lorafleet.device import resolve_device
+    from lorafleet.models.device import resolve_device
 
     cuda = resolve_device(cfg.device).startswith("cuda")
     default: Options = {"max_num_seqs": 32, "max_loras": min(cfg.adapters, DEFAULT_MAX_LORAS)}

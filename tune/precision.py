@@ -2,10 +2,10 @@
 
 The guard runs once per precision (not per serving profile), in this process, on the same runtime plugin the
 worker serves with, the base at that precision and the adapter loaded: it encodes the bundle's dev set (queries
-and corpus) and scores nDCG@10 (`lorafleet.metrics.ndcg_at_k`), and compares every vector with fp32's (min and
+and corpus) and scores nDCG@10 (`lorafleet.core.metrics.ndcg_at_k`), and compares every vector with fp32's (min and
 mean cosine). A precision qualifies when the relative loss of nDCG@10 stays within `precision_max_loss` and the
 min cosine at or above `precision_min_cosine`. Without a dev set only the cosine check runs, on the fixed probe
-sentences of `lorafleet.precision`. A precision the runtime cannot run, or that cannot take the adapter (int8's
+sentences of `lorafleet.models.precision`. A precision the runtime cannot run, or that cannot take the adapter (int8's
 dynamic quantisation), is disqualified with that reason; disqualified precisions stay in the report's table.
 
 What the nDCG@10 measures (issue 39): the pipeline's dev set (`pipeline.dev_set_for`) holds each section's first
@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from lorafleet.metrics import ndcg_at_k
-from lorafleet.precision import FP32, PRECISIONS, PROBE_SENTENCES, SPEED_ORDER
+from lorafleet.core.metrics import ndcg_at_k
+from lorafleet.models.precision import FP32, PRECISIONS, PROBE_SENTENCES, SPEED_ORDER
 
 # Texts encoded for the cosine check at most (the dev set's queries first, then its corpus).
 MAX_AGREEMENT_TEXTS = 2048
@@ -182,9 +182,9 @@ def run_guard(source: Any, cfg: Any, say: Callable[[str], None],
     """The guard for a sweep of `source` (a TuneSource) under `cfg` (a TuneConfig): candidates from the runtime's
     supported precisions on the device, each judged once. Where even fp32 cannot be encoded here, the sweep
     stays at fp32 (the cluster's start reports what is wrong with the base)."""
-    from lorafleet import plugins
-    from lorafleet.config import BaseModelSpec
-    from lorafleet.device import resolve_device
+    from lorafleet.core import plugins
+    from lorafleet.core.config import BaseModelSpec
+    from lorafleet.models.device import resolve_device
 
     def spec_at(precision: str) -> BaseModelSpec:
         return BaseModelSpec(name=source.base_name, source=source.base_source, revision=source.base_revision,

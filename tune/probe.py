@@ -11,7 +11,7 @@ import threading
 
 import msgpack
 
-from lorafleet import settings
+from lorafleet.core import settings
 from lorafleet.tune.config import TuneError
 from lorafleet.tune.loadgen import LoadResult, Target
 

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import httpx
 
-from lorafleet import settings
-from lorafleet.config import BaseModelSpec, FleetConfig, GatewayConfig, ServedModel, ServingProfile, WorkerConfig
+from lorafleet.core import settings
+from lorafleet.core.config import BaseModelSpec, FleetConfig, GatewayConfig, ServedModel, ServingProfile, WorkerConfig
 from lorafleet.tune.analysis import ProfileResult, pareto_front, plateaued, recommend, score
 from lorafleet.tune.config import TuneConfig, TuneError
 from lorafleet.tune.loadgen import Target

@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from lorafleet.adapters import recorded_base
-from lorafleet.config import ServingProfile
-from lorafleet.models import base_name_for, resolve_model_source
+from lorafleet.core.adapters import recorded_base
+from lorafleet.core.config import ServingProfile
+from lorafleet.core.model_source import base_name_for, resolve_model_source
 from lorafleet.tune.config import TuneError
 from lorafleet.tune.generation_guard import GenerationDev
 from lorafleet.tune.precision import DevSet

@@ -26,10 +26,10 @@ from pathlib import Path
 import httpx
 import msgpack
 
-from lorafleet import settings
-from lorafleet.cluster import ClusterError, LocalCluster
-from lorafleet.config import BaseModelSpec, FleetConfig, GatewayConfig, ServedModel, ServingProfile, WorkerConfig
-from lorafleet.nats_server import free_port
+from lorafleet.core import settings
+from lorafleet.core.config import BaseModelSpec, FleetConfig, GatewayConfig, ServedModel, ServingProfile, WorkerConfig
+from lorafleet.nats.server import free_port
+from lorafleet.ops.cluster import ClusterError, LocalCluster
 from lorafleet.tune.analysis import ProfileResult, Recommendation, pareto_front, plateaued, recommend, score
 from lorafleet.tune.config import GenerativeTuneConfig, TuneConfig, TuneError
 from lorafleet.tune.generative import GenerativeTuneResult, is_generative, run_generative_tune

@@ -35,7 +35,7 @@ def _root(
 
 def echo_home() -> None:
     """Say on stderr which home a command uses when it is not the default (LORAFLEET_HOME, an old ./.lorafleet)."""
-    from lorafleet import settings
+    from lorafleet.core import settings
 
     settings.home()  # links an old ./.lorafleet first (and says so), after which it is the default
     line = settings.home_line()

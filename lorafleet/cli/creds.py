@@ -23,10 +23,10 @@ def _fail(message: str, code: int = 1) -> None:
 
 def _reload() -> str:
     """Reload the running nats-server node(s) of LORAFLEET_HOME's cluster; what happened, in words."""
-    from lorafleet import settings
-    from lorafleet.cluster_state import STATE_FILE, ClusterState
-    from lorafleet.nats_server import NatsServerError
-    from lorafleet.processes import find_parts
+    from lorafleet.core import settings
+    from lorafleet.nats.server import NatsServerError
+    from lorafleet.ops.cluster_state import STATE_FILE, ClusterState
+    from lorafleet.ops.processes import find_parts
 
     home = settings.home()
     parts = find_parts(home)
@@ -51,8 +51,8 @@ def _reload() -> str:
 @creds_app.command("add")
 def add(name: str = typer.Argument(..., help="ROLE or ROLE-SUFFIX, e.g. worker-gpu3 or gateway-eu1.")) -> None:
     """Create a credential (kept if it exists) and admit it on the running server."""
-    from lorafleet import settings
-    from lorafleet.nats_auth import CredentialsError, add_credential
+    from lorafleet.core import settings
+    from lorafleet.nats.auth import CredentialsError, add_credential
 
     try:
         cred = add_credential(settings.home() / "creds", name)
@@ -66,8 +66,8 @@ def add(name: str = typer.Argument(..., help="ROLE or ROLE-SUFFIX, e.g. worker-g
 @creds_app.command("revoke")
 def revoke(name: str = typer.Argument(..., help="The credential to revoke, e.g. worker-gpu3.")) -> None:
     """Delete a credential and reload the server: its holders are disconnected and cannot reconnect."""
-    from lorafleet import settings
-    from lorafleet.nats_auth import CREDS_SUFFIX, ROLES, CredentialsError, role_of
+    from lorafleet.core import settings
+    from lorafleet.nats.auth import CREDS_SUFFIX, ROLES, CredentialsError, role_of
 
     try:
         role_of(name)
@@ -86,8 +86,8 @@ def revoke(name: str = typer.Argument(..., help="The credential to revoke, e.g. 
 @creds_app.command("list")
 def list_cmd() -> None:
     """Every credential: name, role, public key (never the secret)."""
-    from lorafleet import settings
-    from lorafleet.nats_auth import CredentialsError, load_credentials
+    from lorafleet.core import settings
+    from lorafleet.nats.auth import CredentialsError, load_credentials
 
     try:
         creds = load_credentials(settings.home() / "creds")

@@ -22,7 +22,7 @@ def fetch(
 ) -> None:
     """Get the German federal statutes, verify them, and store them where training finds them."""
     from lorafleet.cli import echo_home
-    from lorafleet.settings import DataDirError, find_statutes
+    from lorafleet.core.settings import DataDirError, find_statutes
     from lorafleet.train.statute_source import fetch_statutes
 
     echo_home()
@@ -47,7 +47,7 @@ def fetch(
 def info() -> None:
     """Where training finds the statutes, and where they came from."""
     from lorafleet.cli import echo_home
-    from lorafleet.settings import DataDirError, data_dir
+    from lorafleet.core.settings import DataDirError, data_dir
     from lorafleet.train.statute_source import source_record
 
     echo_home()

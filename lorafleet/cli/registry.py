@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 if TYPE_CHECKING:
-    from lorafleet.fleet_state import FleetEntry
     from lorafleet.registry.precision_notice import PrecisionNotice
     from lorafleet.registry.promote import Agreement, Preload
+
+from lorafleet.cli.promotion import _errors, _fail, client_notes
 
 registry_app = typer.Typer(help="Bundles registered in MLflow: versions, aliases, headline metrics.",
                            no_args_is_help=True)
@@ -71,56 +72,16 @@ def _retention_changes(retain: str | None, retain_versions: int | None) -> dict[
     return changes
 
 
-def _when(t: float) -> str:
-    import time
-
-    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t))
-
-
-def client_notes(entry: FleetEntry, previous: str | None) -> list[str]:
-    """What changed for clients of `entry.name` (printed by promote and rollback): the version the plain name
-    answers with now, which former versions stay served as NAME@N and until when, how to re-index."""
-    name = entry.name
-    lines = [f"clients: {name} now answers with v{entry.version} (responses name {name}@{entry.version}); "
-             f"pin it as {name}@{entry.version}"]
-    for kept in entry.retained:
-        until = f"until {_when(kept.until)}" if kept.until is not None else "with no time limit"
-        lines.append(f"  {name}@{kept.version} is still served {until}, or until newer versions replace it")
-    if previous is not None and previous != entry.version:
-        if all(k.version != previous for k in entry.retained):
-            lines.append(f"  {name}@{previous} is retired now: pinned requests for it get 410 version_retired")
-        if entry.kind != "causal-lm":  # vectors of different versions live in different spaces
-            lines.append(f"  re-index: embed your corpus with model {name}@{entry.version}, switch your index to "
-                         f"it, then stop using {name}@{previous} (docs/ship.md, 'Re-indexing after a promote')")
-    return lines
-
-
 CREDS_HELP = ("NATS credential with the control role (default: $LORAFLEET_NATS_CREDS, else "
               "LORAFLEET_HOME/creds/control.nk); TLS from $LORAFLEET_NATS_TLS_CA and the cluster's CA.")
-
-
-def _fail(message: str, code: int = 1) -> None:
-    typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
-    raise typer.Exit(code)
-
-
-def _errors() -> tuple[type[BaseException], ...]:
-    from lorafleet.config import ConfigError
-    from lorafleet.fleet_state import FleetStateError
-    from lorafleet.plugins import PluginError
-    from lorafleet.registry.bundle import BundleError
-    from lorafleet.registry.promote import PromotionError
-    from lorafleet.registry.store import RegistryError
-
-    return (RegistryError, BundleError, PromotionError, FleetStateError, ConfigError, PluginError)
 
 
 @registry_app.command("list")
 def list_cmd(name: str = typer.Argument(None, help="Only this registered model.")) -> None:
     """Registered bundles: each version with its aliases, base model and headline metrics."""
     from lorafleet.cli import echo_home
+    from lorafleet.core.tasks import get_task_kind
     from lorafleet.registry import store
-    from lorafleet.tasks import get_task_kind
 
     echo_home()
     try:
@@ -425,8 +386,8 @@ def ui(
 ) -> None:
     """Start the MLflow UI on the lorafleet store and print the direct links to each study's runs view and
     each registered model (Ctrl-C stops it)."""
-    from lorafleet import settings
     from lorafleet.cli import echo_home
+    from lorafleet.core import settings
 
     echo_home()
     uri = settings.mlflow_tracking_uri()
@@ -454,7 +415,7 @@ def ui(
     try:
         code = proc.wait()
     except KeyboardInterrupt:
-        from lorafleet.cluster import stop_group
+        from lorafleet.ops.cluster import stop_group
 
         stop_group(proc.pid, 10.0, "mlflow")
         typer.echo("MLflow UI stopped")

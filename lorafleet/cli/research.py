@@ -23,7 +23,7 @@ def _fail(exc: Exception) -> None:
 
 
 def _check_limits(trials: int | None, budget_minutes: float | None) -> None:
-    from lorafleet.config import ConfigError
+    from lorafleet.core.config import ConfigError
 
     if budget_minutes is not None and budget_minutes <= 0:
         _fail(ConfigError(f"--budget-minutes must be positive, got {budget_minutes}"))
@@ -39,7 +39,7 @@ def _say(text: str) -> None:
 def _exits(study: Callable[[], str]) -> Iterator[None]:
     """The exit codes of a research command: 2 bad config, 1 shipping failed, 130 interrupted."""
     from lorafleet import pipeline
-    from lorafleet.config import ConfigError
+    from lorafleet.core.config import ConfigError
 
     try:
         yield

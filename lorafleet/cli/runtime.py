@@ -15,7 +15,7 @@ INSTALLABLE = ("vllm",)
 @runtime_app.command("list")
 def list_runtimes() -> None:
     """The installed runtime plugins, what each can do, and whether the vLLM venv is there."""
-    from lorafleet import plugins
+    from lorafleet.core import plugins
     from lorafleet.sidecar.runtime import EngineRuntime, runtime_class
     from lorafleet.sidecar.vllm_install import find_vllm_venv
 

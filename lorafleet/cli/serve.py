@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 import typer
 
 from lorafleet.cli.status import status
-from lorafleet.settings import DEFAULT_FLEET
+from lorafleet.core.settings import DEFAULT_FLEET
 
 
 def _fail(message: str, code: int = 1) -> NoReturn:
@@ -49,10 +49,10 @@ def up(
                                    "the gateway get every node's URL (--nats-url a,b,c) and fail over."),
 ) -> None:
     """Start a local cluster: nats-server (authentication on), N workers and the gateway, supervised."""
-    from lorafleet import settings
-    from lorafleet.cluster import ClusterError, LocalCluster, default_workers, load_fleet
-    from lorafleet.config import ConfigError
-    from lorafleet.plugins import PluginError
+    from lorafleet.core import settings
+    from lorafleet.core.config import ConfigError
+    from lorafleet.core.plugins import PluginError
+    from lorafleet.ops.cluster import ClusterError, LocalCluster, default_workers, load_fleet
 
     if home is not None:
         os.environ["LORAFLEET_HOME"] = str(home.expanduser().resolve())
@@ -105,7 +105,7 @@ def _up_detached(workers: int | None, port: int | None, fleet: Path | None, time
     """`up` again in its own session (the supervisor, logging to logs/supervisor.log); return once it is ready."""
     import subprocess
 
-    from lorafleet.cluster import ClusterError, ClusterState
+    from lorafleet.ops.cluster import ClusterError, ClusterState
 
     argv = [sys.executable, "-m", "lorafleet.cli", "up", "--home", str(home), "--timeout", str(timeout),
             "--host", host]
@@ -143,8 +143,8 @@ def _up_detached(workers: int | None, port: int | None, fleet: Path | None, time
 
 def down(timeout: float = typer.Option(30.0, help="Seconds workers get to finish in-flight tasks.")) -> None:
     """Stop the local cluster: its supervisor, then whatever of it still runs (found by command line)."""
-    from lorafleet.cluster import ClusterError
-    from lorafleet.cluster import down as cluster_down
+    from lorafleet.ops.cluster import ClusterError
+    from lorafleet.ops.cluster import down as cluster_down
 
     try:
         stopped = cluster_down(timeout=timeout)
@@ -160,8 +160,8 @@ def _call_gateway(url: str | None, path: str, body: dict[str, object], api_key: 
     an unreachable gateway or an error answer ends the command with the gateway's code and message."""
     import httpx
 
-    from lorafleet import settings
-    from lorafleet.cluster import ClusterError, ClusterState
+    from lorafleet.core import settings
+    from lorafleet.ops.cluster import ClusterError, ClusterState
 
     if url is None:
         try:
@@ -255,8 +255,8 @@ def gateway(ctx: typer.Context) -> None:
 
 def layout(ctx: typer.Context) -> None:
     """Apply the NATS layout with the admin credential, then re-create any stream or bucket that is lost (what
-    `lorafleet up` does in its own process): the options of `python -m lorafleet.layout` (--help lists them)."""
-    from lorafleet.layout import main
+    `lorafleet up` does in its own process): the options of `python -m lorafleet.ops.layout` (--help lists them)."""
+    from lorafleet.ops.layout import main
 
     raise typer.Exit(main(list(ctx.args)))
 

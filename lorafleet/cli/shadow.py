@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from lorafleet.cli.registry import _errors, _fail, client_notes
+from lorafleet.cli.promotion import _errors, _fail, client_notes
 
 if TYPE_CHECKING:
     from lorafleet.registry.promote import Preload

@@ -32,12 +32,12 @@ def status(
     queue depth and consumer lag — plus the local processes of a cluster started here."""
     import asyncio
 
-    from lorafleet import settings
     from lorafleet.cli import echo_home
-    from lorafleet.cluster_state import STATE_FILE, ClusterError, ClusterState, collect_status, processes
-    from lorafleet.config import ConfigError, FleetConfig, load_yaml_model
-    from lorafleet.nats_auth import CredentialsError
-    from lorafleet.nats_client import ClientSettings, NatsUrlError
+    from lorafleet.core import settings
+    from lorafleet.core.config import ConfigError, FleetConfig, load_yaml_model
+    from lorafleet.nats.auth import CredentialsError
+    from lorafleet.nats.client import ClientSettings, NatsUrlError
+    from lorafleet.ops.cluster_state import STATE_FILE, ClusterError, ClusterState, collect_status, processes
 
     echo_home()
     home = settings.home()
@@ -148,8 +148,8 @@ async def _gateway_stats(url: str, client: Any, listen_s: float) -> dict[str, An
 
     import nats
 
-    from lorafleet.heartbeats import GatewayStats, subscribe_stats
-    from lorafleet.nats_client import server_urls
+    from lorafleet.core.heartbeats import GatewayStats, subscribe_stats
+    from lorafleet.nats.client import server_urls
 
     latest: dict[str, GatewayStats] = {}
 

@@ -24,11 +24,11 @@ def register(app: typer.Typer) -> None:
         import os
 
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        from lorafleet.config import ConfigError, apply_overrides, read_yaml
-        from lorafleet.metrics import to_test
-        from lorafleet.plugins import PluginError
-        from lorafleet.settings import DataDirError
-        from lorafleet.tasks import get_task_kind
+        from lorafleet.core.config import ConfigError, apply_overrides, read_yaml
+        from lorafleet.core.metrics import to_test
+        from lorafleet.core.plugins import PluginError
+        from lorafleet.core.settings import DataDirError
+        from lorafleet.core.tasks import get_task_kind
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S",
                             stream=sys.stderr)

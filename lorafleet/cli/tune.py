@@ -21,7 +21,7 @@ def tune(
 ) -> None:
     """Sweep the serving profile on a private local cluster; write profile.yaml, results and a plot."""
     from lorafleet import pipeline
-    from lorafleet.config import ConfigError
+    from lorafleet.core.config import ConfigError
     from lorafleet.registry.bundle import BundleError
     from lorafleet.registry.store import RegistryError
     from lorafleet.tune.config import TuneConfig, TuneError

@@ -56,7 +56,7 @@ def test_push_router_never_picks_the_most_loaded_worker(algorithm: str) -> None:
 
 
 def test_synthetic_runtime_costs_a_plus_b_n(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lorafleet.config import BaseModelSpec
+    from lorafleet.core.config import BaseModelSpec
     from lorafleet.sidecar.runtime import runtime_class
 
     monkeypatch.setenv("LORAFLEET_SYNTH_SLOWDOWN", "3")

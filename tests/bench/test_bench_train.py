@@ -29,7 +29,7 @@ def test_train_generation_quick_writes_results(run_quick) -> None:  # type: igno
 
 
 def test_train_precision_quick_writes_results(run_quick) -> None:  # type: ignore[no-untyped-def]
-    from lorafleet.precision import native_cpu_precisions, read_cpuinfo
+    from lorafleet.models.precision import native_cpu_precisions, read_cpuinfo
 
     if "bf16" not in native_cpu_precisions(read_cpuinfo()):
         pytest.skip("this CPU has no native bf16: training at bf16 is refused here")

@@ -6,12 +6,12 @@ from typing import Any
 
 import pytest
 
-from lorafleet import plugins
-from lorafleet.config import ConfigError, FleetConfig, QueueConfig, apply_overrides, validate_model
-from lorafleet.metrics import flatten_params, from_mlflow_key, key, mlflow_key, mlflow_metrics, prefixed, to_test
-from lorafleet.queue import consumer_config, work_stream_config
-from lorafleet.refs import parse_models_uri, parse_ref, version_uri
-from lorafleet.tasks import MetricSpec, beats, get_task_kind, judge
+from lorafleet.core import plugins
+from lorafleet.core.config import ConfigError, FleetConfig, QueueConfig, apply_overrides, validate_model
+from lorafleet.core.metrics import flatten_params, from_mlflow_key, key, mlflow_key, mlflow_metrics, prefixed, to_test
+from lorafleet.core.refs import parse_models_uri, parse_ref, version_uri
+from lorafleet.core.tasks import MetricSpec, beats, get_task_kind, judge
+from lorafleet.nats.queue import consumer_config, work_stream_config
 
 
 def test_overrides_parse_yaml_values_and_create_sections() -> None:

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
+from lorafleet.core.wire import Task
 from lorafleet.sidecar import intake as intake_module
 from lorafleet.sidecar.acks import Situation
 from lorafleet.sidecar.intake import Intake
-from lorafleet.wire import Task
 
 TOLERANCE = 5.0  # what this test's fleet promises: clocks within 5 s of each other
 
@@ -73,7 +73,7 @@ def test_a_worker_behind_by_seconds_still_drops_an_expired_task(monkeypatch: pyt
 def test_a_fresh_task_is_dropped_within_tolerance_whatever_the_worker_lags(monkeypatch: pytest.MonkeyPatch) -> None:
     """The budget holds on one clock: a worker 30 s behind (far beyond the tolerance) still lets a task go
     `tolerance` after its budget ran out, not 30 s later."""
-    from lorafleet.deadlines import local_deadline
+    from lorafleet.core.deadlines import local_deadline
 
     sent = 1_000_000.0
     t = task(sent, 2.0)
@@ -85,7 +85,7 @@ def test_a_fresh_task_is_dropped_within_tolerance_whatever_the_worker_lags(monke
 def test_never_early_and_late_by_at_most_the_stated_bound(skew: float) -> None:
     """For every skew within the tolerance, wait in the queue and budget: the worker lets a task go no earlier
     than its true deadline and at most tolerance + min(|skew| if behind, wait) after it."""
-    from lorafleet.deadlines import local_deadline
+    from lorafleet.core.deadlines import local_deadline
 
     sent = 1_000_000.0  # the gateway's clock = true time
     for wait, budget in itertools.product([0.0, 0.2, 3.0, 20.0], [0.1, 2.0, 30.0]):
@@ -99,7 +99,7 @@ def test_never_early_and_late_by_at_most_the_stated_bound(skew: float) -> None:
 
 
 def test_the_local_deadline_is_fixed_once_and_old_gateways_still_work() -> None:
-    from lorafleet.deadlines import clock_skew_s, local_deadline, passed
+    from lorafleet.core.deadlines import clock_skew_s, local_deadline, passed
 
     t = task(100.0, 2.0)
     first = local_deadline(t, 100.0, 0.5)

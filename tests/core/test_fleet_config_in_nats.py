@@ -10,8 +10,8 @@ import sys
 import nats
 import pytest
 
-from lorafleet.config import BaseModelSpec, FleetConfig, GatewayConfig, NatsClientConfig
-from lorafleet.fleet_state import (
+from lorafleet.core.config import BaseModelSpec, FleetConfig, GatewayConfig, NatsClientConfig
+from lorafleet.core.fleet_state import (
     FLEET_CONFIG_KEY,
     KEY_RE,
     FleetStateError,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lorafleet.tasks import COST_HEADLINE, MetricSpec, get_task_kind
+from lorafleet.core.tasks import COST_HEADLINE, MetricSpec, get_task_kind
 
 
 def test_headline_set_comes_from_the_kind() -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from lorafleet import settings
+from lorafleet.core import settings
 
 LAW = ("---\nTitle: Testgesetz\n---\n\n# Gesetz über Tests (Testgesetz - TestG)\n\n"
        "###### § 1 Zweck\n\nDas Gesetz prüft.\n")

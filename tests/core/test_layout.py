@@ -1,4 +1,5 @@
-"""The NATS layout under the admin credential (lorafleet/layout.py): applied by `lorafleet up`, healed by its keeper,
+"""The NATS layout under the admin credential (lorafleet/ops/layout.py): applied by `lorafleet up`, healed by its
+keeper,
 the fleet file's bucket sealed. Real nats-server with lorafleet's authorization block."""
 
 from __future__ import annotations
@@ -10,13 +11,13 @@ from pathlib import Path
 import nats
 import pytest
 
-from lorafleet.config import BaseModelSpec, FleetConfig
-from lorafleet.fleet_state import fetch_fleet_config
-from lorafleet.layout import CONFIG_STREAM, LayoutKeeper, apply_layout, fleet_config_sealed
-from lorafleet.nats_auth import ROLES, generate_credentials
-from lorafleet.nats_server import NatsServer
-from lorafleet.queue import wait_for_stream
-from lorafleet.wire import FLEET_KV_BUCKET
+from lorafleet.core.config import BaseModelSpec, FleetConfig
+from lorafleet.core.fleet_state import fetch_fleet_config
+from lorafleet.core.wire import FLEET_KV_BUCKET
+from lorafleet.nats.auth import ROLES, generate_credentials
+from lorafleet.nats.queue import wait_for_stream
+from lorafleet.nats.server import NatsServer
+from lorafleet.ops.layout import CONFIG_STREAM, LayoutKeeper, apply_layout, fleet_config_sealed
 
 pytestmark = pytest.mark.integration
 

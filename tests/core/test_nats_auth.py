@@ -31,8 +31,19 @@ from nats.js.api import (
     SubjectTransform,
 )
 
-from lorafleet.config import QueueConfig
-from lorafleet.nats_auth import (
+from lorafleet.core.config import QueueConfig
+from lorafleet.core.wire import (
+    FLEET_KV_BUCKET,
+    HDR_MSG_ID,
+    HEARTBEAT_PREFIX,
+    WORK_PREFIX,
+    Result,
+    consumer_name,
+    dlq_subject,
+    heartbeat_subject,
+    work_subject,
+)
+from lorafleet.nats.auth import (
     ENV_CREDS,
     ENV_TLS_CA,
     PERMISSIONS,
@@ -49,21 +60,10 @@ from lorafleet.nats_auth import (
     options_from_env,
     role_of,
 )
-from lorafleet.nats_server import NatsServer
-from lorafleet.nats_tls import issue_certificate, make_self_signed_ca
-from lorafleet.queue import ensure_consumer, ensure_streams, work_stream_config
+from lorafleet.nats.queue import ensure_consumer, ensure_streams, work_stream_config
+from lorafleet.nats.server import NatsServer
+from lorafleet.nats.tls import issue_certificate, make_self_signed_ca
 from lorafleet.testing import flush_nats
-from lorafleet.wire import (
-    FLEET_KV_BUCKET,
-    HDR_MSG_ID,
-    HEARTBEAT_PREFIX,
-    WORK_PREFIX,
-    Result,
-    consumer_name,
-    dlq_subject,
-    heartbeat_subject,
-    work_subject,
-)
 
 pytestmark = pytest.mark.integration
 
@@ -350,7 +350,7 @@ async def test_worker_is_refused_everything_else(server: NatsServer, layout: Cli
 async def test_the_fleet_watcher_runs_on_reader_credentials(server: NatsServer, layout: Client,
                                                            connect: Any) -> None:
     """Gateways and workers watch promotions with FleetWatcher, control writes them with put_entry."""
-    from lorafleet.fleet_state import FleetEntry, FleetWatcher, open_fleet_bucket, put_entry
+    from lorafleet.core.fleet_state import FleetEntry, FleetWatcher, open_fleet_bucket, put_entry
 
     control, c_errors = await connect("control")
     entry = FleetEntry(name="german-legal", base=BASE, adapter_id="german-legal@v2", adapter_uri="/adapters/gl",
@@ -421,7 +421,7 @@ async def test_gateway_publishes_work_and_cannot_answer_read_or_destroy(server: 
 
 
 async def test_gateways_and_workers_cannot_create_streams_they_wait_for_them(server: NatsServer, connect: Any) -> None:
-    from lorafleet.queue import stream_exists, wait_for_stream
+    from lorafleet.nats.queue import stream_exists, wait_for_stream
 
     admin, _ = await connect("admin")
     for role in ("gateway", "worker"):
@@ -453,8 +453,8 @@ NON_ADMIN = ("gateway", "worker", "control", "worker-gpu3")  # worker-gpu3: a re
 def _reaching_the_fleet_file(name: str, subject: str) -> list[StreamConfig]:
     """Stream configs named `name` that reach the fleet file's bucket: a RePublish into its key (stored there, as
     a probe showed before the fix), a Source of it transformed onto that key, a Mirror of it."""
-    from lorafleet.fleet_state import FLEET_CONFIG_KEY
-    from lorafleet.wire import FLEET_CONFIG_KV_BUCKET
+    from lorafleet.core.fleet_state import FLEET_CONFIG_KEY
+    from lorafleet.core.wire import FLEET_CONFIG_KV_BUCKET
 
     key = f"$KV.{FLEET_CONFIG_KV_BUCKET}.{FLEET_CONFIG_KEY}"
     config_stream = f"KV_{FLEET_CONFIG_KV_BUCKET}"
@@ -471,10 +471,10 @@ async def test_only_admin_creates_or_changes_a_stream_whatever_its_config(server
     """NATS permissions name a stream, never its config, and a stream's creator chooses the config: a gateway that
     could create a lost work stream could give it a RePublish into the fleet file workers trust. So no role but
     admin may create or update any stream, missing or present; admin (`lorafleet up`) still may."""
-    from lorafleet.cluster import apply_layout
-    from lorafleet.config import BaseModelSpec, FleetConfig
-    from lorafleet.fleet_state import FLEET_CONFIG_KEY
-    from lorafleet.wire import FLEET_CONFIG_KV_BUCKET
+    from lorafleet.core.config import BaseModelSpec, FleetConfig
+    from lorafleet.core.fleet_state import FLEET_CONFIG_KEY
+    from lorafleet.core.wire import FLEET_CONFIG_KV_BUCKET
+    from lorafleet.ops.cluster import apply_layout
 
     add_credential(creds_dir, "worker-gpu3")
     server.reload()
@@ -515,10 +515,10 @@ async def test_no_answer_or_delivery_reaches_the_fleet_file(server: NatsServer, 
     """Every client names its reply subjects, and publish permissions do not cover them: a JetStream API request
     with the reply `$KV.<config bucket>._fleet` had the server store its answer as the fleet file (before the
     bucket was sealed). Nor may a consumer any role may create (a KV watch's, a worker's) deliver into it."""
-    from lorafleet.cluster import apply_layout
-    from lorafleet.config import BaseModelSpec, FleetConfig
-    from lorafleet.fleet_state import FLEET_CONFIG_KEY, fetch_fleet_config
-    from lorafleet.wire import FLEET_CONFIG_KV_BUCKET
+    from lorafleet.core.config import BaseModelSpec, FleetConfig
+    from lorafleet.core.fleet_state import FLEET_CONFIG_KEY, fetch_fleet_config
+    from lorafleet.core.wire import FLEET_CONFIG_KV_BUCKET
+    from lorafleet.ops.cluster import apply_layout
 
     add_credential(creds_dir, "worker-gpu3")
     server.reload()
@@ -552,8 +552,8 @@ async def test_no_answer_or_delivery_reaches_the_fleet_file(server: NatsServer, 
 
 
 def test_client_settings_flag_beats_environment_beats_fleet_file(tmp_path: Path, creds_dir: Path) -> None:
-    from lorafleet.config import NatsClientConfig
-    from lorafleet.nats_client import ClientSettings
+    from lorafleet.core.config import NatsClientConfig
+    from lorafleet.nats.client import ClientSettings
 
     config = NatsClientConfig(creds=str(creds_dir / "control.nk"), tls_ca="/from/file/ca.pem")
     env = {ENV_CREDS: str(creds_dir / "gateway.nk")}
@@ -638,10 +638,10 @@ async def test_control_writes_the_fleet_bucket_only_admin_deletes(server: NatsSe
 async def test_control_cannot_rewrite_the_fleet_file_workers_trust(server: NatsServer, connect: Any) -> None:
     """The fleet file in NATS names what a joining worker executes (a runtime's venv, `vllm serve` flags): only
     admin (`lorafleet up`) writes it. Control, which `promote` and a CI job hold, may not, in any bucket."""
-    from lorafleet.cluster import apply_layout
-    from lorafleet.config import BaseModelSpec, FleetConfig
-    from lorafleet.fleet_state import FLEET_CONFIG_KEY, fetch_fleet_config
-    from lorafleet.wire import FLEET_CONFIG_KV_BUCKET
+    from lorafleet.core.config import BaseModelSpec, FleetConfig
+    from lorafleet.core.fleet_state import FLEET_CONFIG_KEY, fetch_fleet_config
+    from lorafleet.core.wire import FLEET_CONFIG_KV_BUCKET
+    from lorafleet.ops.cluster import apply_layout
 
     fleet = FleetConfig(bases=[BaseModelSpec(name=BASE)])
     await apply_layout(server.url, server.client_options("admin"), fleet)  # what `lorafleet up` publishes

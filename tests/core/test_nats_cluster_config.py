@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from lorafleet.config import FleetConfig, QueueConfig
-from lorafleet.nats_client import NatsUrlError, join_urls, server_urls
-from lorafleet.nats_cluster import NatsCluster, plan_replicas, route_secret
-from lorafleet.nats_server import NatsServerError
-from lorafleet.processes import part_name, stop_order
-from lorafleet.queue import dlq_stream_config, fleet_work_stream_config, work_stream_config
+from lorafleet.core.config import FleetConfig, QueueConfig
+from lorafleet.nats.client import NatsUrlError, join_urls, server_urls
+from lorafleet.nats.cluster import NatsCluster, plan_replicas, route_secret
+from lorafleet.nats.queue import dlq_stream_config, fleet_work_stream_config, work_stream_config
+from lorafleet.nats.server import NatsServerError
+from lorafleet.ops.processes import part_name, stop_order
 
 
 @pytest.mark.parametrize(("value", "want"), [
@@ -74,7 +74,7 @@ def test_cluster_configs(tmp_path: Path) -> None:
 
 
 def test_cluster_configs_carry_auth_and_tls(tmp_path: Path) -> None:
-    from lorafleet.nats_auth import TlsFiles
+    from lorafleet.nats.auth import TlsFiles
 
     tls = TlsFiles(ca=tmp_path / "ca.pem", cert=tmp_path / "s.pem", key=tmp_path / "s.key")
     c = NatsCluster(tmp_path / "nats", 3, creds=tmp_path / "creds", tls=tls)

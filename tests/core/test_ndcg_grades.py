@@ -1,4 +1,4 @@
-"""`lorafleet.metrics.ndcg_at_k` with graded and negative judgments, against ranx (an independent implementation):
+"""`lorafleet.core.metrics.ndcg_at_k` with graded and negative judgments, against ranx (an independent implementation):
 a grade ≤ 0 gains nothing, so the score stays in [0, 1]."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from lorafleet.metrics import ndcg_at_k
+from lorafleet.core.metrics import ndcg_at_k
 
 
 def _ranx_ndcg(ranked: dict[str, list[str]], qrels: dict[str, dict[str, int]], k: int) -> float:

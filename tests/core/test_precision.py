@@ -1,4 +1,5 @@
-"""Precision as a serving dimension (lorafleet/precision.py): native formats from CPU flags, what a device supports,
+"""Precision as a serving dimension (lorafleet/models/precision.py): native formats from CPU flags, what a device
+supports,
 explicit precisions checked at fleet load (`lorafleet up`), and the cached `auto` verdict (pure logic)."""
 
 from __future__ import annotations
@@ -11,10 +12,10 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from lorafleet import precision
-from lorafleet.cluster import load_fleet
-from lorafleet.config import BaseModelSpec, ConfigError, FleetConfig, ServedModel
-from lorafleet.wire import Heartbeat, WireError
+from lorafleet.core.config import BaseModelSpec, ConfigError, FleetConfig, ServedModel
+from lorafleet.core.wire import Heartbeat, WireError
+from lorafleet.models import precision
+from lorafleet.ops.cluster import load_fleet
 
 # Literal /proc/cpuinfo excerpts: a Sapphire Rapids core (AVX512_BF16 and AMX), a Zen 3 core (AVX2, no AVX-512),
 # an Ice Lake core (AVX-512 without BF16), a Neoverse V1 (ARM, bf16) and a Cortex-A72 (ARM, none).
@@ -176,7 +177,7 @@ def test_heartbeats_carry_precisions() -> None:
     plain = Heartbeat(worker="w", bases=["m"], adapters={}, in_flight=0, batches_per_s=0.0, tasks_done=0, pid=1,
                       host="h")
     assert Heartbeat.from_wire(plain.to_wire()).precisions == {}  # an older worker's heartbeat
-    from lorafleet.wire import pack, unpack
+    from lorafleet.core.wire import pack, unpack
 
     bad = unpack(hb.to_wire())
     bad["pr"] = {"m": 16}

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from lorafleet.nats_server import ClusterRoutes, NatsServer
-from lorafleet.nats_tls import issue_certificate, make_self_signed_ca
+from lorafleet.nats.server import ClusterRoutes, NatsServer
+from lorafleet.nats.tls import issue_certificate, make_self_signed_ca
 
 
 @pytest.fixture
@@ -54,7 +54,7 @@ def test_a_rewritten_key_file_is_never_readable_by_others(tmp_path: Path, permis
 
 def test_write_private_creates_the_file_0600_before_any_byte_is_written(tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    from lorafleet import nats_conf
+    from lorafleet.nats import conf as nats_conf
 
     seen: list[int] = []
     real_write = os.write
@@ -79,7 +79,9 @@ def test_write_private_creates_the_file_0600_before_any_byte_is_written(tmp_path
 @pytest.mark.parametrize(("raw", "quoted"), [("a", '"a"'), ('x"y', '"x\\"y"'), ("c:\\d", '"c:\\\\d"'),
                                               ("$JS.API.>", '"$JS.API.>"')])
 def test_one_quoting_helper_for_every_config_string(raw: str, quoted: str) -> None:
-    from lorafleet import nats_auth, nats_conf, nats_server
+    from lorafleet.nats import auth as nats_auth
+    from lorafleet.nats import conf as nats_conf
+    from lorafleet.nats import server as nats_server
 
     assert nats_conf.conf_quote(raw) == quoted
     assert nats_auth._q is nats_conf.conf_quote and nats_server._q is nats_conf.conf_quote

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from lorafleet.processes import find_parts, part_name, stop_group, stop_order
-from lorafleet.supervisor import RestartPolicy, Supervisor
+from lorafleet.ops.processes import find_parts, part_name, stop_group, stop_order
+from lorafleet.ops.supervisor import RestartPolicy, Supervisor
 from lorafleet.testing import wait_until
 
 

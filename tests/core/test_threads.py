@@ -1,4 +1,4 @@
-"""The thread plan (lorafleet/threads.py): how a host's CPUs are split among its processes, and who wins."""
+"""The thread plan (lorafleet/ops/threads.py): how a host's CPUs are split among its processes, and who wins."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from lorafleet import cluster as cluster_module
-from lorafleet.cluster import ClusterError, LocalCluster, default_workers
-from lorafleet.config import BaseModelSpec, FleetConfig, WorkerConfig
-from lorafleet.device import nvidia_gpu_present
-from lorafleet.threads import (
+from lorafleet.core.config import BaseModelSpec, FleetConfig, WorkerConfig
+from lorafleet.models.device import nvidia_gpu_present
+from lorafleet.ops import cluster as cluster_module
+from lorafleet.ops.cluster import ClusterError, LocalCluster, default_workers
+from lorafleet.ops.threads import (
     AUTO_WORKERS_MAX,
     POOL_VARIABLES,
     auto_workers,
@@ -88,7 +88,7 @@ def test_auto_workers_is_one_when_told_why() -> None:
 
 def test_default_workers_reads_the_fleet(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cluster_module, "available_cpus", lambda: 2)
-    monkeypatch.setattr("lorafleet.cluster.nvidia_gpu_present", lambda: False)
+    monkeypatch.setattr("lorafleet.ops.cluster.nvidia_gpu_present", lambda: False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert default_workers(FleetConfig())[0] == 2  # the default fleet computes in the worker
     assert default_workers(FleetConfig(worker=WorkerConfig(threads=2)))[0] == 1
@@ -96,7 +96,7 @@ def test_default_workers_reads_the_fleet(monkeypatch: pytest.MonkeyPatch) -> Non
     engine = FleetConfig(bases=[BaseModelSpec(name="llm", source="SmolLM2-135M-Instruct", runtime="vllm")])
     n, why = default_workers(engine)
     assert (n, "llm" in why) == (1, True)  # a vLLM engine takes the host's cores itself
-    monkeypatch.setattr("lorafleet.cluster.nvidia_gpu_present", lambda: True)
+    monkeypatch.setattr("lorafleet.ops.cluster.nvidia_gpu_present", lambda: True)
     assert default_workers(FleetConfig())[1] == "1 worker: it owns the GPU"
 
 

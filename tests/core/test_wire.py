@@ -7,7 +7,7 @@ from typing import Any
 import msgpack
 import pytest
 
-from lorafleet.wire import (
+from lorafleet.core.wire import (
     GENERATE,
     WIRE_VERSION,
     Heartbeat,

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from lorafleet.wire import (
+from lorafleet.core.wire import (
     GENERATE,
     GenerateParams,
     Heartbeat,

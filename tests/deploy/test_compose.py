@@ -23,8 +23,8 @@ from deploy_kit import (
     options,
 )
 
-from lorafleet.config import FleetConfig, load_yaml_model
-from lorafleet.nats_auth import ROLES
+from lorafleet.core.config import FleetConfig, load_yaml_model
+from lorafleet.nats.auth import ROLES
 
 NATS = ("n1", "n2", "n3")
 
@@ -126,7 +126,7 @@ def test_only_the_layout_service_holds_the_admin_credential(compose: dict[str, A
     layout = compose["services"]["layout"]
     verb, *args = layout["command"]
     assert verb == "layout"
-    check_flags([layout["command"]], {"layout": accepted_flags("lorafleet.layout")})
+    check_flags([layout["command"]], {"layout": accepted_flags("lorafleet.ops.layout")})
     opts = options(args)
     assert opts["--nats-url"] == ",".join(f"nats://{n}:4222" for n in NATS)
     (secret,) = layout["secrets"]

@@ -23,8 +23,8 @@ from deploy_kit import (
     options,
 )
 
-from lorafleet.config import FleetConfig, load_yaml_model
-from lorafleet.wire import consumer_name
+from lorafleet.core.config import FleetConfig, load_yaml_model
+from lorafleet.core.wire import consumer_name
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install -e '.[dev]' (kubernetes-validate)")
 
@@ -137,7 +137,7 @@ def test_gateway_and_workers_connect_to_every_node_with_their_own_credential(doc
 def test_commands_use_only_flags_lorafleet_accepts(docs: list[dict[str, Any]]) -> None:
     commands = [_container(d)["args"] for d in by_kind(docs, "Deployment")]
     assert {c[0] for c in commands} == {"gateway", "worker", "layout"}
-    modules = {**MODULE_OF, "layout": "lorafleet.layout"}
+    modules = {**MODULE_OF, "layout": "lorafleet.ops.layout"}
     check_flags(commands, {verb: accepted_flags(mod) for verb, mod in modules.items()})
 
 

@@ -13,8 +13,8 @@ from typing import Any
 import msgpack
 import nats
 
-from lorafleet.cluster import LocalCluster
-from lorafleet.config import BaseModelSpec, FleetConfig, GatewayConfig, QueueConfig, ServingProfile, WorkerConfig
+from lorafleet.core.config import BaseModelSpec, FleetConfig, GatewayConfig, QueueConfig, ServingProfile, WorkerConfig
+from lorafleet.ops.cluster import LocalCluster
 from lorafleet.testing import wait_until
 from lorafleet.tune.loadgen import Connection
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import httpx
 
-from lorafleet.nats_server import free_port
-from lorafleet.processes import stop_group
+from lorafleet.nats.server import free_port
+from lorafleet.ops.processes import stop_group
 
 REPO = Path(__file__).resolve().parents[2]
 # The research tests' tiny study (tiny random BERT, one short law) and CLI environment, reused as they are.

@@ -19,9 +19,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lorafleet import settings
-from lorafleet.cluster import LocalCluster
-from lorafleet.config import BaseModelSpec, FleetConfig, WorkerConfig
+from lorafleet.core import settings
+from lorafleet.core.config import BaseModelSpec, FleetConfig, WorkerConfig
+from lorafleet.ops.cluster import LocalCluster
 from lorafleet.registry import canary as can
 from lorafleet.registry import store
 from lorafleet.registry.promote import Preload, promote

@@ -17,10 +17,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lorafleet import heartbeats, settings
-from lorafleet.cluster import LocalCluster
-from lorafleet.config import BaseModelSpec, FleetConfig, WorkerConfig
-from lorafleet.fleet_state import route_bucket
+from lorafleet.core import heartbeats, settings
+from lorafleet.core.config import BaseModelSpec, FleetConfig, WorkerConfig
+from lorafleet.core.fleet_state import route_bucket
+from lorafleet.ops.cluster import LocalCluster
 from lorafleet.registry import canary as can
 from lorafleet.registry import store
 from lorafleet.registry.promote import Preload, _connect, control_client, promote

@@ -19,8 +19,8 @@ import nats
 import numpy as np
 import pytest
 
-from lorafleet.cluster import LocalCluster
-from lorafleet.config import BaseModelSpec, FleetConfig, QueueConfig, ServedModel
+from lorafleet.core.config import BaseModelSpec, FleetConfig, QueueConfig, ServedModel
+from lorafleet.ops.cluster import LocalCluster
 from lorafleet.testing import wait_until
 
 pytestmark = pytest.mark.integration
@@ -122,7 +122,7 @@ def test_base64_encoding_matches_float(cluster: LocalCluster) -> None:
 
 
 def test_worker_runs_with_its_share_of_the_host(cluster: LocalCluster) -> None:
-    """`up` passes each worker its thread count (lorafleet/threads.py) and the worker sizes torch with it."""
+    """`up` passes each worker its thread count (lorafleet/ops/threads.py) and the worker sizes torch with it."""
     n = cluster.threads.worker
     assert cluster._argv["worker-1"][-2:] == ["--threads", str(n)]
     log = (cluster.home / "logs" / "worker-1.log").read_text()
@@ -160,7 +160,7 @@ def _fire(url: str, n_requests: int, per_request: int, deadline_ms: int = 60_000
 
 def test_kill_9_worker_loses_nothing(tmp_path: Path, adapters: dict[str, Path], minilm_path: Path) -> None:
     """kill -9 a worker that holds un-acked tasks: every request is still answered, once, correctly."""
-    from lorafleet.wire import consumer_name
+    from lorafleet.core.wire import consumer_name
 
     fleet = _fleet({}, ack_wait_s=2.0, max_deliver=5)
     with LocalCluster(fleet, workers=2, port=0, home=tmp_path / "home") as c:

@@ -123,9 +123,9 @@ def tiny_llama(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
 def _fill_store(tmp_path: Path, task: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """Research → register the winner (`candidate`) → `champion`; plus one standalone training run."""
     from lorafleet import pipeline
+    from lorafleet.core.tasks import get_task_kind
     from lorafleet.registry import store
     from lorafleet.research.config import load_config
-    from lorafleet.tasks import get_task_kind
 
     path = tmp_path / "research.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -213,7 +213,7 @@ def row_part(page: Any, link: Any, text: str | re.Pattern[str]) -> Any:
 
 @pytest.fixture
 def ui(request: pytest.FixtureRequest) -> Iterator[UiProcess]:
-    from lorafleet.nats_server import free_port
+    from lorafleet.nats.server import free_port
 
     proc = UiProcess(free_port())
     try:
@@ -229,8 +229,8 @@ def test_mlflow_ui_first_look(task: str, tmp_path: Path, request: pytest.Fixture
         pytest.skip("no chromium installed (Debian: apt-get install chromium)")
     from playwright.sync_api import expect, sync_playwright
 
+    from lorafleet.core.tasks import get_task_kind
     from lorafleet.registry.store import version_description
-    from lorafleet.tasks import get_task_kind
 
     if task == "generation":
         cfg = _generation_config(request.getfixturevalue("tiny_llama"))

@@ -24,9 +24,9 @@ import nats
 import numpy as np
 import pytest
 
-from lorafleet.cluster import LocalCluster
-from lorafleet.config import BaseModelSpec, FleetConfig
-from lorafleet.nats_client import ClientSettings, server_urls
+from lorafleet.core.config import BaseModelSpec, FleetConfig
+from lorafleet.nats.client import ClientSettings, server_urls
+from lorafleet.ops.cluster import LocalCluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -144,7 +144,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
 
 def test_cluster_layout(cluster: LocalCluster) -> None:
     """Three nodes, every part given every node's URL, R3 streams and fleet bucket."""
-    from lorafleet.processes import find_parts
+    from lorafleet.ops.processes import find_parts
 
     assert set(cluster.nats_servers) == {"nats-server-1", "nats-server-2", "nats-server-3"}
     assert len(server_urls(cluster.nats_url)) == 3
@@ -168,7 +168,7 @@ def test_a_new_credential_is_admitted_by_every_node(cluster: LocalCluster, monke
     from typer.testing import CliRunner
 
     from lorafleet.cli import app
-    from lorafleet.processes import find_parts
+    from lorafleet.ops.processes import find_parts
 
     monkeypatch.setenv("LORAFLEET_HOME", str(cluster.home))
     pids = {n: p for n, p in find_parts(cluster.home).items() if n.startswith("nats-server")}

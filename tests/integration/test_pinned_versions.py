@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from lorafleet import settings
-from lorafleet.cluster import LocalCluster
-from lorafleet.config import BaseModelSpec, FleetConfig, WorkerConfig
-from lorafleet.fleet_state import Retention
+from lorafleet.core import settings
+from lorafleet.core.config import BaseModelSpec, FleetConfig, WorkerConfig
+from lorafleet.core.fleet_state import Retention
+from lorafleet.ops.cluster import LocalCluster
 from lorafleet.registry import store
 from lorafleet.registry.promote import Preload, promote
 from lorafleet.testing import wait_until
@@ -53,7 +53,7 @@ def _error(r: httpx.Response) -> tuple[int, str, str]:
 def test_pinned_version_survives_promote_until_retention_ends(tmp_path: Path, minilm_path: Path) -> None:
     from lorafleet.cli import app
     from lorafleet.testing import make_random_adapter
-    from lorafleet.train.trainer import load_adapter_model
+    from lorafleet.train.kinds.retrieval.trainer import load_adapter_model
 
     adapters = {v: make_random_adapter(minilm_path, tmp_path / f"adapter-v{v}", seed=70 + v, scale=2.0)
                 for v in (1, 2, 3)}

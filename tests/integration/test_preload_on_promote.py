@@ -16,9 +16,9 @@ import httpx
 import numpy as np
 import pytest
 
-from lorafleet import settings
-from lorafleet.cluster import LocalCluster
-from lorafleet.config import BaseModelSpec, FleetConfig, WorkerConfig
+from lorafleet.core import settings
+from lorafleet.core.config import BaseModelSpec, FleetConfig, WorkerConfig
+from lorafleet.ops.cluster import LocalCluster
 from lorafleet.registry import store
 from lorafleet.registry.promote import Preload, promote
 from lorafleet.testing import wait_until
@@ -69,7 +69,7 @@ def _logged_at(line: str) -> float:
 
 def test_promote_under_traffic_preloads_every_worker_before_the_switch(tmp_path: Path, tiny_model_dir: Path) -> None:
     from lorafleet.testing import make_random_adapter
-    from lorafleet.train.trainer import load_adapter_model
+    from lorafleet.train.kinds.retrieval.trainer import load_adapter_model
 
     adapters = {v: make_random_adapter(tiny_model_dir, tmp_path / f"adapter-v{v}", seed=40 + v,
                                        scale=4.0) for v in (1, 2)}

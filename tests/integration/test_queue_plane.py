@@ -40,12 +40,12 @@ from queue_plane_kit import (
     worker_totals,
 )
 
-from lorafleet.cluster import LocalCluster
-from lorafleet.cluster_state import ClusterState, down
-from lorafleet.fleet_state import FleetEntry, put_entry
-from lorafleet.nats_auth import explain_connect_error, public_key_of
-from lorafleet.processes import find_parts
-from lorafleet.wire import FLEET_KV_BUCKET, HDR_MSG_ID, WORK_PREFIX, Result, Task, consumer_name, work_subject
+from lorafleet.core.fleet_state import FleetEntry, put_entry
+from lorafleet.core.wire import FLEET_KV_BUCKET, HDR_MSG_ID, WORK_PREFIX, Result, Task, consumer_name, work_subject
+from lorafleet.nats.auth import explain_connect_error, public_key_of
+from lorafleet.ops.cluster import LocalCluster
+from lorafleet.ops.cluster_state import ClusterState, down
+from lorafleet.ops.processes import find_parts
 
 pytestmark = pytest.mark.integration
 

@@ -33,7 +33,7 @@ SENTENCE = "Der Hersteller haftet für Schäden, die durch einen Fehler seines P
 WORKER = """
 import json, sys
 from lorafleet.registry.uri import resolve_models_uri
-from lorafleet.train.trainer import load_adapter_model
+from lorafleet.train.kinds.retrieval.trainer import load_adapter_model
 adapter = resolve_models_uri(sys.argv[1])
 vec = load_adapter_model(sys.argv[2], adapter, "cpu", 64).encode([sys.argv[3]])[0]
 print(json.dumps({"adapter": str(adapter), "vec": [float(x) for x in vec]}))
@@ -58,7 +58,7 @@ def test_bundle_travels_through_the_tracking_server(tmp_path: Path, tiny_model_d
     from mlflow import MlflowClient
 
     from lorafleet.registry import store
-    from lorafleet.train.trainer import load_adapter_model
+    from lorafleet.train.kinds.retrieval.trainer import load_adapter_model
 
     server_root = tmp_path / "mlflow-server"
     trainer, worker = tmp_path / "trainer-home", tmp_path / "worker-home"
@@ -194,14 +194,14 @@ def test_remote_worker_and_gateway_serve_a_bundle_from_the_server(tmp_path: Path
     import httpx
     import numpy as np
 
-    from lorafleet.cluster import apply_layout
-    from lorafleet.config import BaseModelSpec, FleetConfig
-    from lorafleet.nats_client import ClientSettings
-    from lorafleet.nats_server import NatsServer, free_port
-    from lorafleet.processes import stop_group
+    from lorafleet.core.config import BaseModelSpec, FleetConfig
+    from lorafleet.nats.client import ClientSettings
+    from lorafleet.nats.server import NatsServer, free_port
+    from lorafleet.ops.cluster import apply_layout
+    from lorafleet.ops.processes import stop_group
     from lorafleet.registry import store
     from lorafleet.registry.promote import promote
-    from lorafleet.train.trainer import load_adapter_model
+    from lorafleet.train.kinds.retrieval.trainer import load_adapter_model
 
     config = FleetConfig(bases=[BaseModelSpec(name="tiny", source=str(tiny_model_dir), max_seq_length=64)])
     fleet = tmp_path / "fleet.yaml"  # only the machine that runs `promote` has it

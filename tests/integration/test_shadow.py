@@ -18,10 +18,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lorafleet import settings
-from lorafleet.agreement import ShadowFigures, summed
 from lorafleet.bench import shadow as bench
-from lorafleet.cluster import LocalCluster
+from lorafleet.core import settings
+from lorafleet.core.agreement import ShadowFigures, summed
+from lorafleet.ops.cluster import LocalCluster
 from lorafleet.registry import shadow as sh
 from lorafleet.registry import store
 from lorafleet.registry.promote import Preload, _connect, control_client, promote
@@ -142,8 +142,8 @@ def _ce_adapter(out: Path, seed: int) -> Path:
     import torch
     from peft import LoraConfig, TaskType
 
-    from lorafleet.config import PACKAGED_MINILM
-    from lorafleet.models import resolve_model_source
+    from lorafleet.core.config import PACKAGED_MINILM
+    from lorafleet.core.model_source import resolve_model_source
     from lorafleet.sidecar.ce_runtime import load_cross_encoder
 
     model = load_cross_encoder(resolve_model_source(PACKAGED_MINILM))
@@ -159,7 +159,7 @@ def _ce_adapter(out: Path, seed: int) -> Path:
 
 
 def test_a_rerank_shadow_is_compared_by_rank_overlap(tmp_path: Path) -> None:
-    from lorafleet.config import PACKAGED_MINILM, FleetConfig
+    from lorafleet.core.config import PACKAGED_MINILM, FleetConfig
 
     ce, name = "minilm-ce", "rr"
     for seed in (7, 8):

@@ -16,8 +16,8 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from lorafleet import settings
-from lorafleet.config import BaseModelSpec, FleetConfig
+from lorafleet.core import settings
+from lorafleet.core.config import BaseModelSpec, FleetConfig
 from lorafleet.testing import wait_until
 
 pytestmark = pytest.mark.integration
@@ -118,8 +118,8 @@ def test_research_ship_promote_rollback(tmp_path: Path, minilm_path: Path) -> No
 
     from lorafleet import pipeline
     from lorafleet.cli import app
-    from lorafleet.cluster import LocalCluster
-    from lorafleet.nats_server import free_port
+    from lorafleet.nats.server import free_port
+    from lorafleet.ops.cluster import LocalCluster
     from lorafleet.registry import store
     from lorafleet.registry.bundle import read_spec
     from lorafleet.research.config import load_config

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from queue_plane_kit import synth_fleet, until
 
-from lorafleet.cluster import ClusterState, LocalCluster
-from lorafleet.nats_server import free_port
+from lorafleet.nats.server import free_port
+from lorafleet.ops.cluster import ClusterState, LocalCluster
 
 pytestmark = pytest.mark.integration
 

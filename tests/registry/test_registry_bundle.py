@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lorafleet.config import ServingProfile
+from lorafleet.core.config import ServingProfile
 from lorafleet.registry.bundle import (
     BundleError,
     BundleIntegrityError,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lorafleet.config import ServingProfile
+from lorafleet.core.config import ServingProfile
 from lorafleet.registry import bundle_cache, store
 from lorafleet.registry.uri import resolve_models_uri
 

@@ -12,8 +12,8 @@ import pytest
 from typer.testing import CliRunner
 
 from lorafleet.cli import app
-from lorafleet.config import BaseModelSpec, FleetConfig, WorkerConfig
-from lorafleet.fleet_state import CanaryInProgress, FleetEntry, ensure_fleet_bucket, read_entries
+from lorafleet.core.config import BaseModelSpec, FleetConfig, WorkerConfig
+from lorafleet.core.fleet_state import CanaryInProgress, FleetEntry, ensure_fleet_bucket, read_entries
 from lorafleet.registry import canary as can
 from lorafleet.registry import promote as prom
 from lorafleet.registry import store

@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from lorafleet.cli import app
-from lorafleet.nats_server import free_port
+from lorafleet.nats.server import free_port
 from lorafleet.testing import wait_until
 
 pytestmark = pytest.mark.integration

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from lorafleet.config import ServedModel, ServingProfile
-from lorafleet.fleet_state import (
+from lorafleet.core.config import ServedModel, ServingProfile
+from lorafleet.core.fleet_state import (
     FleetEntry,
     FleetWatcher,
     by_adapter_id,

@@ -49,7 +49,7 @@ async def _bucket(url: str) -> None:
     """The fleet's KV bucket, as a gateway or worker creates it on start."""
     import nats
 
-    from lorafleet.fleet_state import ensure_fleet_bucket
+    from lorafleet.core.fleet_state import ensure_fleet_bucket
 
     nc = await nats.connect(url)
     try:
@@ -63,7 +63,7 @@ def _heartbeats(url: str, worker: str, base: str, precision: str) -> Iterator[No
     """A worker's heartbeats, as NATS carries them, every 50 ms on a thread of its own until the block ends."""
     import nats
 
-    from lorafleet.wire import Heartbeat, heartbeat_subject
+    from lorafleet.core.wire import Heartbeat, heartbeat_subject
 
     started, stop = threading.Event(), threading.Event()
 
@@ -93,7 +93,7 @@ def _heartbeats(url: str, worker: str, base: str, precision: str) -> Iterator[No
 @pytest.mark.integration
 def test_promote_prints_the_downgrade(nats_server, tiny_adapter: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
     from lorafleet.cli import app
-    from lorafleet.config import BaseModelSpec, FleetConfig, ServingProfile, WorkerConfig
+    from lorafleet.core.config import BaseModelSpec, FleetConfig, ServingProfile, WorkerConfig
     from lorafleet.registry import promote as prom
     from lorafleet.registry import store
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from lorafleet import wire
-from lorafleet.config import BaseModelSpec, FleetConfig
-from lorafleet.fleet_state import (
+from lorafleet.core import wire
+from lorafleet.core.config import BaseModelSpec, FleetConfig
+from lorafleet.core.fleet_state import (
     FleetEntry,
     ensure_fleet_bucket,
     is_served_key,
@@ -118,7 +118,7 @@ def test_preloader_tries_a_failed_fetch_again(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_preloader_refused_uri_loads_nothing() -> None:
-    from lorafleet.adapters import AdapterUnavailable
+    from lorafleet.core.adapters import AdapterUnavailable
 
     calls: list[str] = []
 

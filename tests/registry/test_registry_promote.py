@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from lorafleet.config import BaseModelSpec, FleetConfig
-from lorafleet.fleet_state import FleetEntry, FleetStateError, ensure_fleet_bucket, read_entries
+from lorafleet.core.config import BaseModelSpec, FleetConfig
+from lorafleet.core.fleet_state import FleetEntry, FleetStateError, ensure_fleet_bucket, read_entries
 from lorafleet.registry import promote as prom
 from lorafleet.registry import store
 

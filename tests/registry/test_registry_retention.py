@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from lorafleet.fleet_state import FleetEntry, Retention, by_adapter_id, retained_live, with_retention
+from lorafleet.core.fleet_state import FleetEntry, Retention, by_adapter_id, retained_live, with_retention
 
 DAY = 86400.0
 
@@ -135,8 +135,8 @@ def test_promote_cli_retains_and_prints(nats_server: Any, tmp_path: Path, tiny_a
     from typer.testing import CliRunner
 
     from lorafleet.cli import app
-    from lorafleet.config import BaseModelSpec, FleetConfig
-    from lorafleet.fleet_state import ensure_fleet_bucket, read_entries
+    from lorafleet.core.config import BaseModelSpec, FleetConfig
+    from lorafleet.core.fleet_state import ensure_fleet_bucket, read_entries
     from lorafleet.registry import store
 
     for score in (0.40, 0.45):
@@ -178,8 +178,8 @@ def test_concurrent_promotes_never_lose_a_retained_version(nats_server: Any, tmp
 
     import nats
 
-    from lorafleet.config import BaseModelSpec, FleetConfig
-    from lorafleet.fleet_state import ensure_fleet_bucket, read_entries
+    from lorafleet.core.config import BaseModelSpec, FleetConfig
+    from lorafleet.core.fleet_state import ensure_fleet_bucket, read_entries
     from lorafleet.registry import promote as prom
     from lorafleet.registry import store
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from lorafleet.agreement import (
+from lorafleet.cli import app
+from lorafleet.core.agreement import (
     GatewayShadowStats,
     ShadowFigures,
     chrf,
@@ -22,10 +23,9 @@ from lorafleet.agreement import (
     rank_overlap,
     summed,
 )
-from lorafleet.cli import app
-from lorafleet.config import BaseModelSpec, FleetConfig, WorkerConfig
-from lorafleet.fleet_state import CanaryInProgress, FleetEntry, ShadowSpec, ensure_fleet_bucket, read_entries
-from lorafleet.heartbeats import STATS_BUCKETS, GatewayStats, VersionCounts, bucket_index
+from lorafleet.core.config import BaseModelSpec, FleetConfig, WorkerConfig
+from lorafleet.core.fleet_state import CanaryInProgress, FleetEntry, ShadowSpec, ensure_fleet_bucket, read_entries
+from lorafleet.core.heartbeats import STATS_BUCKETS, GatewayStats, VersionCounts, bucket_index
 from lorafleet.registry import canary as can
 from lorafleet.registry import promote as prom
 from lorafleet.registry import shadow as sh
@@ -150,7 +150,7 @@ def test_watch_fails_a_candidate_with_more_empty_answers() -> None:
 def test_version_counts_carry_empty_answers_and_read_older_gateways() -> None:
     stats = GatewayStats("gw", {("n", "1"): _counts(5, 2)})
     assert GatewayStats.from_wire(stats.to_wire()).versions[("n", "1")].empty == 2
-    from lorafleet.wire import pack
+    from lorafleet.core.wire import pack
 
     old = pack({"v": 1, "gateway": "gw", "ts": 1.0,
                 "versions": [["n", "1", 5, 0, [0] * (len(STATS_BUCKETS) + 1)]]})  # before empty counts
@@ -226,7 +226,7 @@ def test_split_problem_names_an_inconsistent_candidate() -> None:
 
 
 def test_a_shadow_holds_the_name_and_reaches_workers() -> None:
-    from lorafleet.fleet_state import by_adapter_id, refuse_during_canary
+    from lorafleet.core.fleet_state import by_adapter_id, refuse_during_canary
 
     e = _entry()
     with pytest.raises(CanaryInProgress, match="shadow of h is in progress"):

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from lorafleet.config import ServingProfile
-from lorafleet.refs import parse_models_uri
+from lorafleet.core.config import ServingProfile
+from lorafleet.core.refs import parse_models_uri
 from lorafleet.registry import store
 from lorafleet.registry.bundle import BundleIntegrityError, read_spec
 from lorafleet.registry.uri import resolve_models_uri
@@ -75,7 +75,7 @@ def test_tampered_store_copy_is_refused(tmp_path: Path, tiny_adapter: Path, tiny
     stored.unlink()
     with pytest.raises(BundleIntegrityError, match=r"missing adapter/adapter_model\.safetensors"):
         store.download_bundle(*ref, tmp_path / "dl")
-    from lorafleet.adapters import AdapterUnavailable
+    from lorafleet.core.adapters import AdapterUnavailable
 
     with pytest.raises(AdapterUnavailable, match="missing"):
         resolve_models_uri(f"models:/{ref.name}/{ref.version}")

@@ -28,9 +28,9 @@ from typing import Any
 
 import pytest
 
-from lorafleet.config import BaseModelSpec, FleetConfig, WorkerConfig
-from lorafleet.fleet_state import FleetEntry, FleetStateError, ensure_fleet_bucket
-from lorafleet.heartbeats import STATS_BUCKETS, GatewayStats, VersionCounts, bucket_index, stats_subject
+from lorafleet.core.config import BaseModelSpec, FleetConfig, WorkerConfig
+from lorafleet.core.fleet_state import FleetEntry, FleetStateError, ensure_fleet_bucket
+from lorafleet.core.heartbeats import STATS_BUCKETS, GatewayStats, VersionCounts, bucket_index, stats_subject
 from lorafleet.registry import canary as can
 from lorafleet.registry import promote as prom
 from lorafleet.registry import shadow as sh
@@ -166,7 +166,7 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_adapter: Path, tiny_model_dir: Path) -> Iterator[Cluster]:
-    from lorafleet.nats_server import NatsServer
+    from lorafleet.nats.server import NatsServer
 
     home = tmp_path_factory.mktemp("transitions")
     server = NatsServer(home / "nats").start()
@@ -505,7 +505,7 @@ def test_the_watch_says_so_when_the_lock_stays_held(fleet: Cluster) -> None:
 # -- item 9: the watch's connection ----------------------------------------------------------------------------------
 
 def test_the_watch_connection_pings_and_reconnects_like_the_gateway(fleet: Cluster) -> None:
-    from lorafleet.nats_client import MAX_OUTSTANDING_PINGS, PING_INTERVAL_S, RECONNECT_OPTIONS
+    from lorafleet.nats.client import MAX_OUTSTANDING_PINGS, PING_INTERVAL_S, RECONNECT_OPTIONS
 
     async def options(lasting: bool) -> dict[str, Any]:
         nc: Any = await prom._connect(fleet.url, lasting=lasting)

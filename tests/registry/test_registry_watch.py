@@ -7,12 +7,12 @@ import time
 
 import pytest
 
-from lorafleet.heartbeats import STATS_BUCKETS, GatewayStats, VersionCounts, bucket_index
-from lorafleet.nats_auth import PERMISSIONS
+from lorafleet.core.heartbeats import STATS_BUCKETS, GatewayStats, VersionCounts, bucket_index
+from lorafleet.core.wire import WireError
+from lorafleet.nats.auth import PERMISSIONS
 from lorafleet.registry.canary import CanaryError, watch_line
 from lorafleet.registry.watch import Margins, Tally, judge
 from lorafleet.serve.metrics import GatewayMetrics
-from lorafleet.wire import WireError
 
 
 def counts(requests: int, errors: int = 0, latency: float = 0.01) -> VersionCounts:

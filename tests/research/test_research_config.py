@@ -15,7 +15,7 @@ import yaml
 from typer.testing import CliRunner
 
 from lorafleet.cli import app
-from lorafleet.config import ConfigError
+from lorafleet.core.config import ConfigError
 from lorafleet.research.config import (
     ResearchConfig,
     apply_params,

@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from lorafleet.config import ConfigError
+from lorafleet.core.config import ConfigError
+from lorafleet.core.tasks import beats, get_task_kind, judge
 from lorafleet.registry.bundle import MARGIN_TAG, build_bundle
 from lorafleet.registry.promote import check_gate
 from lorafleet.registry.store import VersionInfo
@@ -16,7 +17,6 @@ from lorafleet.research.config import MAX_VARIANTS, CategoricalParam, from_raw, 
 from lorafleet.research.finalize import _verdict
 from lorafleet.research.report import columns, render_markdown
 from lorafleet.research.result import ResearchResult
-from lorafleet.tasks import beats, get_task_kind, judge
 
 # The measured case of the issue: a hybrid pipeline at 0.41 over BM25's best 0.3924, below its own hybrid first
 # stage alone (0.4229).

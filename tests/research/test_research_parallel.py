@@ -18,7 +18,7 @@ def test_two_processes_share_one_study(research_yaml: Callable[..., Path], _isol
     import mlflow
     import optuna
 
-    from lorafleet import settings
+    from lorafleet.core import settings
     from lorafleet.research.tracking import experiment_name
 
     config = research_yaml("shared", n_trials=4,

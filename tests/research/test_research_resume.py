@@ -38,8 +38,8 @@ def test_resume_after_sigkill(research_yaml: Callable[..., Path], _isolated_home
     import optuna
     from typer.testing import CliRunner
 
-    from lorafleet import settings
     from lorafleet.cli import app
+    from lorafleet.core import settings
     from lorafleet.research.tracking import experiment_name
 
     # 1-epoch trials only, so that which trials finish does not depend on the pruner.

@@ -38,7 +38,7 @@ def test_unreachable_storage_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_artifact_root_only_for_a_local_store(monkeypatch: pytest.MonkeyPatch, _isolated_home: Path) -> None:
-    from lorafleet import settings
+    from lorafleet.core import settings
 
     root = settings.mlflow_artifact_root("bundles")
     assert root == (_isolated_home / "mlflow" / "artifacts").as_uri() + "/bundles" and not settings.mlflow_remote()

@@ -15,12 +15,12 @@ def test_study_logs_parent_and_nested_runs(research_yaml: Callable[..., Path], _
     import optuna
     import pandas as pd
 
-    from lorafleet import settings
-    from lorafleet.metrics import mlflow_key
+    from lorafleet.core import settings
+    from lorafleet.core.metrics import mlflow_key
+    from lorafleet.core.tasks import get_task_kind
     from lorafleet.research.config import load_config
     from lorafleet.research.runner import run_research
     from lorafleet.research.tracking import experiment_name
-    from lorafleet.tasks import get_task_kind
 
     # Random seed 1: after the config's own trial (1 epoch), the sampler draws one 3-epoch and one 1-epoch trial.
     loaded = load_config(research_yaml("study-a", sampler={"kind": "random", "seed": 1}))
@@ -125,7 +125,7 @@ def test_trial_past_its_time_limit_fails_with_reason(research_yaml: Callable[...
     import mlflow
     import optuna
 
-    from lorafleet import settings
+    from lorafleet.core import settings
     from lorafleet.research.config import load_config
     from lorafleet.research.runner import run_research
     from lorafleet.research.tracking import experiment_name

@@ -19,8 +19,8 @@ ONE_EPOCH_SPACE = {"learning_rate": {"type": "float", "low": 1e-4, "high": 1e-2,
 
 def _counting_kind(monkeypatch: pytest.MonkeyPatch) -> Any:
     """The retrieval kind, recording (phase, split) of every split scored and every `evaluate` call."""
-    import lorafleet.train.evaluate as evaluate_module
-    from lorafleet.train.retrieval_kind import RetrievalKind
+    import lorafleet.train.kinds.retrieval.evaluate as evaluate_module
+    from lorafleet.train.kinds.retrieval.kind import RetrievalKind
 
     class CountingKind(RetrievalKind):
         def __init__(self) -> None:
@@ -74,7 +74,7 @@ def _study(home: Path, name: str) -> Any:
 def _parent_tags(run_id: str) -> dict[str, str]:
     import mlflow
 
-    from lorafleet import settings
+    from lorafleet.core import settings
 
     mlflow.set_tracking_uri(settings.mlflow_tracking_uri())
     return dict(mlflow.MlflowClient().get_run(run_id).data.tags)

@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from lorafleet.bench.common import run_in_vllm_venv
-from lorafleet.cluster import LocalCluster
-from lorafleet.config import FleetConfig
-from lorafleet.fleet_state import FleetEntry, put_entry
-from lorafleet.wire import FLEET_KV_BUCKET
+from lorafleet.core.config import FleetConfig
+from lorafleet.core.fleet_state import FleetEntry, put_entry
+from lorafleet.core.wire import FLEET_KV_BUCKET
+from lorafleet.ops.cluster import LocalCluster
 
 BASE = "tiny-llama"
 MAX_MODEL_LEN = 512  # the tiny Llama's positions

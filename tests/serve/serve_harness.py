@@ -17,10 +17,10 @@ import nats
 import numpy as np
 import uvicorn
 
-from lorafleet import wire
-from lorafleet.config import FleetConfig, GatewayConfig, QueueConfig, ServedModel
-from lorafleet.nats_server import free_port
-from lorafleet.queue import ensure_consumer, ensure_streams
+from lorafleet.core import wire
+from lorafleet.core.config import FleetConfig, GatewayConfig, QueueConfig, ServedModel
+from lorafleet.nats.queue import ensure_consumer, ensure_streams
+from lorafleet.nats.server import free_port
 from lorafleet.serve.gateway import Gateway
 from lorafleet.serve.routes import create_app, uvicorn_config
 

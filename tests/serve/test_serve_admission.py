@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lorafleet import wire
+from lorafleet.core import wire
 from lorafleet.serve.admission import MAX_RETRY_AFTER_S, judge
 from lorafleet.serve.pending import PendingTable
 from lorafleet.serve.workers import WorkerRegistry

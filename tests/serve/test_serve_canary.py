@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from lorafleet.fleet_state import FleetEntry, by_adapter_id, canary_spec, route_bucket, takes_canary
+from lorafleet.core.fleet_state import FleetEntry, by_adapter_id, canary_spec, route_bucket, takes_canary
 from lorafleet.serve.metrics import GatewayMetrics
 from lorafleet.serve.resolver import Resolver, route_key
 
@@ -47,7 +47,7 @@ def test_split_is_sticky_and_monotonic() -> None:
 def test_split_is_the_same_in_another_process() -> None:
     """Never Python's hash() (salted per process): another interpreter with another hash seed agrees."""
     keys = ["a", "b", "client-7", "ümlaut"]
-    code = ("import sys; from lorafleet.fleet_state import route_bucket; "
+    code = ("import sys; from lorafleet.core.fleet_state import route_bucket; "
             f"print(repr([route_bucket({NAME!r}, k) for k in {keys!r}]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={"PYTHONHASHSEED": "12345", "PATH": ""}).stdout

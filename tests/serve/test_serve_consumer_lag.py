@@ -11,9 +11,9 @@ import httpx
 import nats
 from serve_harness import BASE, make_fleet, running_gateway, until, wait_ready
 
-from lorafleet import wire
-from lorafleet.heartbeats import PRESENCE_SUBJECT, Presence
-from lorafleet.queue import ensure_consumer
+from lorafleet.core import wire
+from lorafleet.core.heartbeats import PRESENCE_SUBJECT, Presence
+from lorafleet.nats.queue import ensure_consumer
 from lorafleet.serve.metrics import CONSUMER_LAG
 
 

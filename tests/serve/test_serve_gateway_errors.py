@@ -16,8 +16,8 @@ import pytest
 import yaml
 from serve_harness import BASE, fake_vector, make_fleet, running_gateway, scripted_worker, until, wait_ready
 
-from lorafleet.config import BaseModelSpec, ServedModel
-from lorafleet.nats_server import NatsServer, free_port
+from lorafleet.core.config import BaseModelSpec, ServedModel
+from lorafleet.nats.server import NatsServer, free_port
 
 pytestmark = pytest.mark.integration
 

@@ -26,8 +26,8 @@ from serve_harness import (
     wait_ready,
 )
 
-from lorafleet import wire
-from lorafleet.config import ServedModel
+from lorafleet.core import wire
+from lorafleet.core.config import ServedModel
 from lorafleet.serve.tokens import TokenCounter
 
 pytestmark = pytest.mark.integration

@@ -9,12 +9,12 @@ from typing import Any
 import orjson
 import pytest
 
+from lorafleet.core.wire import Result
 from lorafleet.serve.completions import CHAT, COMPLETION, Shaper, parse_generation
 from lorafleet.serve.errors import ApiError
 from lorafleet.serve.generation import prepare
 from lorafleet.serve.resolver import Route, Specialist
 from lorafleet.serve.textstream import TextStream
-from lorafleet.wire import Result
 
 
 def body(**kw: Any) -> bytes:
@@ -161,7 +161,7 @@ async def test_shaper_speaks_openai() -> None:
 
 
 def test_fleet_entries_of_generative_bundles_become_specialists() -> None:
-    from lorafleet.fleet_state import FleetEntry
+    from lorafleet.core.fleet_state import FleetEntry
     from lorafleet.serve.gateway import specialists
 
     entries = [FleetEntry(name="headings", base="smol", adapter_id="headings@v2", adapter_uri="models:/headings/2",

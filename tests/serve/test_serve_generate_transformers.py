@@ -21,9 +21,9 @@ import httpx
 import pytest
 from generate_kit import BASE, GREEDY, QUESTIONS, build_tiny, chat, fleet, put_fleet_entry, transformers_reference
 
-from lorafleet.cluster import LocalCluster
-from lorafleet.config import BaseModelSpec
-from lorafleet.fleet_state import FleetEntry
+from lorafleet.core.config import BaseModelSpec
+from lorafleet.core.fleet_state import FleetEntry
+from lorafleet.ops.cluster import LocalCluster
 
 pytestmark = pytest.mark.integration
 
@@ -121,7 +121,7 @@ def test_adapters_interleaved_under_concurrency(client: Any, reference: dict) ->
 def test_smollm2_short_answer(client: Any, cluster: LocalCluster) -> None:
     from transformers import AutoTokenizer
 
-    from lorafleet.causal import resolve_causal_source
+    from lorafleet.models.causal import resolve_causal_source
 
     r = client.chat.completions.create(model=SMOL, messages=[{"role": "user", "content": FRANCE}], max_tokens=12,
                                        temperature=0)

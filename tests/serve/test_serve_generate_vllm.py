@@ -25,7 +25,7 @@ import httpx
 import pytest
 from generate_kit import BASE, GREEDY, QUESTIONS, build_tiny, chat, fleet, vllm_reference
 
-from lorafleet.cluster import LocalCluster
+from lorafleet.ops.cluster import LocalCluster
 from lorafleet.sidecar.vllm_install import find_vllm_venv
 from lorafleet.testing import wait_until
 
@@ -134,7 +134,7 @@ def test_two_adapters_interleaved_in_one_engine(client: Any, cluster: LocalClust
 async def _heartbeats(cluster: LocalCluster, seconds: float) -> dict[str, Any]:
     import nats
 
-    from lorafleet import heartbeats
+    from lorafleet.core import heartbeats
 
     nc = await nats.connect(cluster.nats_url, **cluster.client_options("control"))
     try:

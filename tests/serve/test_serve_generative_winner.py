@@ -27,9 +27,9 @@ import pytest
 import yaml
 from generate_kit import put_fleet_entry, run_vllm_script
 
-from lorafleet.cluster import LocalCluster
-from lorafleet.config import FleetConfig
-from lorafleet.fleet_state import FleetEntry
+from lorafleet.core.config import FleetConfig
+from lorafleet.core.fleet_state import FleetEntry
+from lorafleet.ops.cluster import LocalCluster
 from lorafleet.sidecar.vllm_install import find_vllm_venv
 
 VENV = find_vllm_venv()
@@ -86,11 +86,11 @@ def setup(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Iterator[
     import torch
     from peft import LoraConfig, get_peft_model
 
-    from lorafleet.causal import resolve_causal_source
-    from lorafleet.train.causal_lm import load_causal_base
-    from lorafleet.train.generation_config import load_generation_config
-    from lorafleet.train.generation_eval import generate_answers
-    from lorafleet.train.headings import HeadingsDataConfig, build_headings
+    from lorafleet.models.causal import resolve_causal_source
+    from lorafleet.train.kinds.generation.causal_lm import load_causal_base
+    from lorafleet.train.kinds.generation.config import load_generation_config
+    from lorafleet.train.kinds.generation.evaluate import generate_answers
+    from lorafleet.train.kinds.generation.headings import HeadingsDataConfig, build_headings
 
     home = tmp_path_factory.mktemp("winner-home")
     with pytest.MonkeyPatch.context() as mp:
@@ -159,7 +159,7 @@ def test_served_specialist_equals_direct_generation(cluster: LocalCluster, setup
                                                     reference: dict[str, list[str]]) -> None:
     import openai
 
-    from lorafleet.train.generation_eval import clean_answer
+    from lorafleet.train.kinds.generation.evaluate import clean_answer
 
     # The first request loads the adapter into the engine; on a loaded 2-core box that alone can take minutes.
     client = openai.OpenAI(base_url=f"{cluster.gateway_url}/v1", api_key="unused", max_retries=0, timeout=900)

@@ -16,9 +16,9 @@ import nats
 import pytest
 from serve_harness import BASE, make_fleet, running_gateway, scripted_worker, until, wait_ready
 
-from lorafleet import wire
-from lorafleet.nats_client import stale_after_s
-from lorafleet.nats_server import NatsServer
+from lorafleet.core import wire
+from lorafleet.nats.client import stale_after_s
+from lorafleet.nats.server import NatsServer
 
 pytestmark = pytest.mark.integration
 

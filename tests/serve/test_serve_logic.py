@@ -9,8 +9,8 @@ import math
 import msgpack
 import pytest
 
-from lorafleet import wire
-from lorafleet.config import ConfigError, FleetConfig, ServedModel
+from lorafleet.core import wire
+from lorafleet.core.config import ConfigError, FleetConfig, ServedModel
 from lorafleet.serve.auth import ApiKeys, load_api_keys
 from lorafleet.serve.bases import native_dim
 from lorafleet.serve.errors import ApiError, worker_error

@@ -9,9 +9,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lorafleet.config import ServedModel
-from lorafleet.fleet_state import FleetEntry, Retention, merge_models, with_retention
-from lorafleet.refs import PinnedNameError, parse_pinned
+from lorafleet.core.config import ServedModel
+from lorafleet.core.fleet_state import FleetEntry, Retention, merge_models, with_retention
+from lorafleet.core.refs import PinnedNameError, parse_pinned
 from lorafleet.serve.errors import ApiError
 from lorafleet.serve.resolver import Resolver
 from lorafleet.testing import wait_until
@@ -100,7 +100,7 @@ def test_generative_responses_name_the_version(tmp_path: Path) -> None:
     adapter (equal to direct transformers)."""
     from generate_kit import GREEDY, QUESTIONS, build_tiny, chat, fleet, put_fleet_entry, transformers_reference
 
-    from lorafleet.cluster import LocalCluster
+    from lorafleet.ops.cluster import LocalCluster
 
     tiny = build_tiny(tmp_path / "tiny-llama")
 

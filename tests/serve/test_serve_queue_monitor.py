@@ -8,8 +8,8 @@ from typing import Any
 import nats
 import pytest
 
-from lorafleet.config import BaseModelSpec, FleetConfig
-from lorafleet.queue import ensure_fleet_streams, stream_exists
+from lorafleet.core.config import BaseModelSpec, FleetConfig
+from lorafleet.nats.queue import ensure_fleet_streams, stream_exists
 from lorafleet.serve.queue_monitor import QueueMonitor
 
 pytestmark = pytest.mark.integration

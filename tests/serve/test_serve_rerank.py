@@ -22,8 +22,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from lorafleet.cluster import LocalCluster
-from lorafleet.config import PACKAGED_MINILM, FleetConfig
+from lorafleet.core.config import PACKAGED_MINILM, FleetConfig
+from lorafleet.ops.cluster import LocalCluster
 
 pytestmark = pytest.mark.integration
 
@@ -42,7 +42,7 @@ def adapter_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import torch
     from peft import LoraConfig, TaskType
 
-    from lorafleet.models import resolve_model_source
+    from lorafleet.core.model_source import resolve_model_source
     from lorafleet.sidecar.ce_runtime import load_cross_encoder
 
     out = tmp_path_factory.mktemp("ce-adapter") / "ce-a"
@@ -66,7 +66,7 @@ def with_head(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     import torch
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
-    from lorafleet.models import resolve_model_source
+    from lorafleet.core.model_source import resolve_model_source
     from lorafleet.sidecar.ce_runtime import load_cross_encoder
 
     out = tmp_path_factory.mktemp("with-head")
@@ -85,7 +85,7 @@ def reference(adapter_dir: Path, with_head: dict[str, Path]) -> Any:
     import torch
     from sentence_transformers.cross_encoder import CrossEncoder
 
-    from lorafleet.models import resolve_model_source
+    from lorafleet.core.model_source import resolve_model_source
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)  # the seed every worker draws the missing head from

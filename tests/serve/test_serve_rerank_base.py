@@ -12,12 +12,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from lorafleet.config import BaseModelSpec
+from lorafleet.core.config import BaseModelSpec
+from lorafleet.core.wire import EMBED, SCORE
 from lorafleet.serve.bases import RERANK_BASE, BaseInfo, load_base
 from lorafleet.serve.errors import ApiError
 from lorafleet.serve.rerank import only_reranker
 from lorafleet.serve.resolver import Route
-from lorafleet.wire import EMBED, SCORE
 
 
 @pytest.fixture(scope="module")

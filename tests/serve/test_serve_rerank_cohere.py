@@ -14,8 +14,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from lorafleet.cluster import LocalCluster
-from lorafleet.config import PACKAGED_MINILM, FleetConfig
+from lorafleet.core.config import PACKAGED_MINILM, FleetConfig
+from lorafleet.ops.cluster import LocalCluster
 
 cohere = pytest.importorskip("cohere")  # in the dev extras; skipped only where it is not installed
 
@@ -33,7 +33,7 @@ DOCS = ["Der Käufer ist verpflichtet, dem Verkäufer den vereinbarten Kaufpreis
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    from lorafleet.models import resolve_model_source
+    from lorafleet.core.model_source import resolve_model_source
     from lorafleet.sidecar.ce_runtime import load_cross_encoder
 
     saved = tmp_path_factory.mktemp("cohere-ce") / CE  # with the head every worker would draw: the same scores
@@ -58,7 +58,7 @@ def _predict(docs: list[str]) -> np.ndarray:
     import torch
     from sentence_transformers.cross_encoder import CrossEncoder
 
-    from lorafleet.models import resolve_model_source
+    from lorafleet.core.model_source import resolve_model_source
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)  # the seed every worker draws the missing head from

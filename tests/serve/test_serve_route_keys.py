@@ -11,9 +11,9 @@ import pytest
 from serve_harness import BASE, make_fleet, running_gateway, scripted_worker, wait_ready
 
 from lorafleet.cli.status import route_key_line
-from lorafleet.fleet_state import FleetEntry, canary_spec, ensure_fleet_bucket, put_entry
-from lorafleet.heartbeats import GatewayStats, RouteKeys, VersionCounts
-from lorafleet.nats_client import ClientSettings
+from lorafleet.core.fleet_state import FleetEntry, canary_spec, ensure_fleet_bucket, put_entry
+from lorafleet.core.heartbeats import GatewayStats, RouteKeys, VersionCounts
+from lorafleet.nats.client import ClientSettings
 from lorafleet.serve.resolver import Resolver, route_key
 from lorafleet.serve.routekeys import ROUTE_KEY_SOURCE_HEADER, RouteKeyTally, busiest_share, routed_by
 

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from serve_harness import BASE, make_fleet, running_gateway
 
-from lorafleet.fleet_state import (
+from lorafleet.core.fleet_state import (
     FleetEntry,
     FleetWatcher,
     ensure_fleet_bucket,

@@ -23,8 +23,8 @@ import orjson
 import pytest
 from serve_harness import BASE, ScriptedWorker, answer, running_gateway, wait_ready
 
-from lorafleet import wire
-from lorafleet.config import PACKAGED_MINILM, BaseModelSpec, FleetConfig, GatewayConfig, QueueConfig, ServedModel
+from lorafleet.core import wire
+from lorafleet.core.config import PACKAGED_MINILM, BaseModelSpec, FleetConfig, GatewayConfig, QueueConfig, ServedModel
 
 pytestmark = pytest.mark.integration
 

@@ -59,8 +59,8 @@ async def until(cond: Callable[[], bool | Awaitable[bool]], timeout: float, what
 
 def create_streams(fleet_file: Path, nats_url: str) -> None:
     """What a gateway or `lorafleet up` does before workers can serve: workers never create the streams."""
-    from lorafleet.config import FleetConfig, load_yaml_model
-    from lorafleet.queue import ensure_fleet_streams
+    from lorafleet.core.config import FleetConfig, load_yaml_model
+    from lorafleet.nats.queue import ensure_fleet_streams
 
     async def create() -> None:
         import nats
@@ -101,7 +101,7 @@ class WorkerProcess:
     async def _wait_heartbeat(self, timeout: float) -> None:
         import nats
 
-        from lorafleet.wire import heartbeat_subject
+        from lorafleet.core.wire import heartbeat_subject
 
         nc = await nats.connect(self.nats_url)
         sub = await nc.subscribe(heartbeat_subject(self.worker_id))

@@ -19,13 +19,13 @@ from typing import ClassVar
 import httpx
 import pytest
 
-from lorafleet.adapters import AdapterUnavailable
-from lorafleet.config import BaseModelSpec
+from lorafleet.core.adapters import AdapterUnavailable
+from lorafleet.core.config import BaseModelSpec
+from lorafleet.core.wire import GENERATE
 from lorafleet.sidecar.engine_adapters import EngineAdapters
 from lorafleet.sidecar.runtime import EngineRuntime, Generated, GenerateInput
 from lorafleet.sidecar.vllm_engine import EngineConfig, EngineError, VllmEngine
 from lorafleet.sidecar.vllm_runtime import VllmRuntime
-from lorafleet.wire import GENERATE
 
 
 class GatedEngine(EngineRuntime):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from lorafleet.core.wire import ERR_ADAPTER, ERR_DEADLINE, ERR_INVALID, ERR_MALFORMED, ERR_RUNTIME
 from lorafleet.sidecar.acks import ACK_TABLE, REPLY_RESULT, Settle, Situation, decide, is_last_delivery
-from lorafleet.wire import ERR_ADAPTER, ERR_DEADLINE, ERR_INVALID, ERR_MALFORMED, ERR_RUNTIME
 
 
 def test_table_covers_every_situation_on_both_deliveries() -> None:
@@ -93,7 +93,7 @@ def test_an_away_owners_retries_reach_past_the_grace() -> None:
 
 
 def test_a_grace_that_no_redelivery_can_cover_is_refused_at_load() -> None:
-    from lorafleet.config import ConfigError, FleetConfig, validate_model
+    from lorafleet.core.config import ConfigError, FleetConfig, validate_model
 
     with pytest.raises(ConfigError, match=r"orphan_grace_s \(3s\) needs queue\.max_deliver of at least 2"):
         validate_model(FleetConfig, {"queue": {"max_deliver": 1}})

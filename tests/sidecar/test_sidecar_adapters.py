@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from lorafleet.adapters import AdapterUnavailable, register_adapter_scheme, resolve_adapter_uri
+from lorafleet.core.adapters import AdapterUnavailable, register_adapter_scheme, resolve_adapter_uri
 from lorafleet.sidecar import metrics as m
 from lorafleet.sidecar.adapters import AdapterCache, LruSet, files_nbytes
 from lorafleet.sidecar.metrics import WorkerMetrics
@@ -47,7 +47,7 @@ class RecordingRuntime(Runtime):
 
 
 def test_runtime_plugins_are_found_by_name_and_checked() -> None:
-    from lorafleet.plugins import PluginError
+    from lorafleet.core.plugins import PluginError
     from lorafleet.sidecar.runtime import runtime_class
     from lorafleet.sidecar.st_runtime import SentenceTransformerRuntime
 
@@ -113,7 +113,7 @@ def test_registered_scheme_resolves(tmp_path: Path) -> None:
 
 def test_adapter_policy_is_an_allow_list_that_reveals_nothing(tmp_path: Path) -> None:
     """Only registry schemes and folders under the roots; every refusal reads the same, whatever exists."""
-    from lorafleet.adapters import AdapterPolicy
+    from lorafleet.core.adapters import AdapterPolicy
 
     root = tmp_path / "root"
     root.mkdir()
@@ -300,7 +300,7 @@ def test_without_a_host_tier_bytes_are_the_weight_files(tmp_path: Path) -> None:
 
 
 def test_tiers_on_the_real_runtime(tiny_model_dir: Path, tiny_adapters: dict[str, Path]) -> None:
-    from lorafleet.config import BaseModelSpec
+    from lorafleet.core.config import BaseModelSpec
     from lorafleet.sidecar.st_runtime import SentenceTransformerRuntime
 
     rt = SentenceTransformerRuntime(BaseModelSpec(name="tiny", source=str(tiny_model_dir)), device="cpu")
@@ -324,7 +324,7 @@ def test_tiers_on_the_real_runtime(tiny_model_dir: Path, tiny_adapters: dict[str
 def test_the_profile_sizes_the_tiers_and_refuses_nonsense() -> None:
     from pydantic import ValidationError
 
-    from lorafleet.config import MIB, ServingProfile, WorkerConfig
+    from lorafleet.core.config import MIB, ServingProfile, WorkerConfig
 
     p = ServingProfile()
     assert (p.mixed_adapter_batches, p.max_batch_adapters) == (True, 64)

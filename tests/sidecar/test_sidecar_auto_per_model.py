@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from sidecar_testkit import make_adapter
 
-from lorafleet import precision
-from lorafleet.config import BaseModelSpec
-from lorafleet.precision import JudgedModel
+from lorafleet.core.config import BaseModelSpec
+from lorafleet.models import precision
+from lorafleet.models.precision import JudgedModel
 from lorafleet.sidecar.st_runtime import SentenceTransformerRuntime
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import itertools
 
-from lorafleet.config import ServingProfile
+from lorafleet.core.config import ServingProfile
+from lorafleet.core.wire import GENERATE, SCORE, Task
 from lorafleet.sidecar.batcher import Batch, ProfileFor, Pulled, form_batches, padded_cost, split_group
-from lorafleet.wire import GENERATE, SCORE, Task
 
 _ids = itertools.count()
 

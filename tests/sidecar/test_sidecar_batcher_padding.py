@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lorafleet.config import BaseModelSpec
+from lorafleet.core.config import BaseModelSpec
 from lorafleet.sidecar.batcher import padded_cost, padding_cuts
 
 
@@ -97,7 +97,7 @@ class _BacklogSub:
     def __init__(self, tokens: list[int]) -> None:
         import time
 
-        from lorafleet.wire import Task
+        from lorafleet.core.wire import Task
 
         now = time.time()
         n = len(tokens)
@@ -117,7 +117,7 @@ async def test_a_backlog_wider_than_one_batch_is_sorted_before_batches_are_cut(m
     batch holds the 16 shortest (before: the first 16 arrivals, half of them long, padded to the longest)."""
     import asyncio
 
-    from lorafleet.config import FleetConfig, ServingProfile, WorkerConfig
+    from lorafleet.core.config import FleetConfig, ServingProfile, WorkerConfig
     from lorafleet.sidecar import scheduler
     from lorafleet.sidecar.batcher import Batch
     from lorafleet.sidecar.scheduler import PullScheduler
@@ -148,7 +148,7 @@ async def test_tasks_fetched_before_a_failing_fetch_are_batched_not_dropped() ->
     batched now (before, only the first message was, and the rest waited out ack_wait for a redelivery)."""
     import asyncio
 
-    from lorafleet.config import FleetConfig, ServingProfile, WorkerConfig
+    from lorafleet.core.config import FleetConfig, ServingProfile, WorkerConfig
     from lorafleet.sidecar.batcher import Batch
     from lorafleet.sidecar.scheduler import PullScheduler
     from lorafleet.sidecar.settle import HeldTable

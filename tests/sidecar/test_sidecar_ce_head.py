@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lorafleet import wire
-from lorafleet.checkpoints import head_in_checkpoint, untrained_head_message, weight_keys
-from lorafleet.config import BaseModelSpec, ServingProfile
+from lorafleet.core import wire
+from lorafleet.core.config import BaseModelSpec, ServingProfile
+from lorafleet.models.checkpoints import head_in_checkpoint, untrained_head_message, weight_keys
 from lorafleet.sidecar.acks import Situation
 from lorafleet.sidecar.batcher import Pulled, form_batches
 from lorafleet.sidecar.ce_runtime import CrossEncoderRuntime, load_cross_encoder

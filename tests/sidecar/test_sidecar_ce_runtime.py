@@ -10,9 +10,9 @@ import msgpack
 import numpy as np
 import pytest
 
-from lorafleet import wire
-from lorafleet.adapters import AdapterUnavailable
-from lorafleet.config import BaseModelSpec
+from lorafleet.core import wire
+from lorafleet.core.adapters import AdapterUnavailable
+from lorafleet.core.config import BaseModelSpec
 from lorafleet.sidecar.acks import Situation
 from lorafleet.sidecar.batcher import Batch, Pulled, form_batches
 from lorafleet.sidecar.ce_runtime import CrossEncoderRuntime, load_cross_encoder
@@ -135,7 +135,7 @@ def test_a_mixed_score_batch_answers_each_task_with_its_adapter(
         tiny_model_dir: Path, adapters: tuple[dict[str, Path], dict[str | None, np.ndarray]], tmp_path: Path) -> None:
     from dataclasses import replace
 
-    from lorafleet.config import ServingProfile
+    from lorafleet.core.config import ServingProfile
     from lorafleet.sidecar.scoring import score_batch
 
     paths, refs = adapters

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from sidecar_testkit import until
 
-from lorafleet.config import ConfigError, FleetConfig, ServingProfile
+from lorafleet.core.config import ConfigError, FleetConfig, ServingProfile
+from lorafleet.core.wire import Task
 from lorafleet.sidecar.acks import Situation
 from lorafleet.sidecar.adapters import AdapterCache
 from lorafleet.sidecar.batcher import Batch, Pulled
@@ -21,7 +22,6 @@ from lorafleet.sidecar.runtime import Runtime
 from lorafleet.sidecar.scheduler import PullScheduler
 from lorafleet.sidecar.settle import HeldTable, Outcome
 from lorafleet.sidecar.worker import FleetLookup, adapter_policy, select_bases
-from lorafleet.wire import Task
 
 
 class FakeRuntime(Runtime):

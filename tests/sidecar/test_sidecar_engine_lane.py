@@ -12,8 +12,9 @@ from typing import Any, ClassVar
 
 import pytest
 
-from lorafleet.adapters import AdapterUnavailable
-from lorafleet.config import QueueConfig
+from lorafleet.core.adapters import AdapterUnavailable
+from lorafleet.core.config import QueueConfig
+from lorafleet.core.wire import GENERATE, RECEIPT_CANCEL, GenerateParams, Result, Task
 from lorafleet.sidecar import streaming
 from lorafleet.sidecar.engine_adapters import EngineAdapters
 from lorafleet.sidecar.engine_lane import EngineLane
@@ -21,7 +22,6 @@ from lorafleet.sidecar.intake import Intake
 from lorafleet.sidecar.runtime import EngineDown, EngineRuntime, Generated, GenerateInput
 from lorafleet.sidecar.settle import HeldTable, Settler
 from lorafleet.sidecar.streaming import TextStreams
-from lorafleet.wire import GENERATE, RECEIPT_CANCEL, GenerateParams, Result, Task
 
 
 class Msg:

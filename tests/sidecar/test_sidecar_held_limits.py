@@ -13,12 +13,12 @@ from typing import Any
 
 import pytest
 
-from lorafleet.config import BaseModelSpec, FleetConfig, QueueConfig
+from lorafleet.core.config import BaseModelSpec, FleetConfig, QueueConfig
+from lorafleet.core.wire import Heartbeat, Task
 from lorafleet.sidecar.acks import Situation
 from lorafleet.sidecar.batcher import Batch, Pulled
 from lorafleet.sidecar.connection import NatsSide
 from lorafleet.sidecar.settle import Outcome
-from lorafleet.wire import Heartbeat, Task
 
 
 class Msg:

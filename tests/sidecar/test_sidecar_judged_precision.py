@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from lorafleet.config import BaseModelSpec, FleetConfig, ServingProfile
-from lorafleet.nats_client import ClientSettings
-from lorafleet.precision import JudgedModel, served_precision
+from lorafleet.core.config import BaseModelSpec, FleetConfig, ServingProfile
+from lorafleet.models.precision import JudgedModel, served_precision
+from lorafleet.nats.client import ClientSettings
 from lorafleet.registry.bundle import build_bundle
 from lorafleet.registry.precision_notice import judged_of, precision_notice
 from lorafleet.registry.promote import _entry, _target
@@ -103,8 +103,8 @@ def test_a_worker_serves_an_auto_base_at_the_promoted_models_judged_precision(na
                                                                              tmp_path: Path) -> None:
     import asyncio
 
-    from lorafleet.fleet_state import FleetEntry
-    from lorafleet.precision import supported_precisions
+    from lorafleet.core.fleet_state import FleetEntry
+    from lorafleet.models.precision import supported_precisions
     from lorafleet.testing import build_tiny_llama
 
     base = build_tiny_llama(tmp_path / "llama")
@@ -128,7 +128,7 @@ def test_a_worker_serves_an_auto_base_at_the_promoted_models_judged_precision(na
 async def _put_entry(url: str, entry: object) -> None:
     import nats
 
-    from lorafleet.fleet_state import ensure_fleet_bucket
+    from lorafleet.core.fleet_state import ensure_fleet_bucket
 
     nc = await nats.connect(url)
     try:
@@ -141,7 +141,7 @@ async def _put_entry(url: str, entry: object) -> None:
 async def _heartbeat(url: str, worker_id: str) -> object:
     import nats
 
-    from lorafleet.wire import Heartbeat, heartbeat_subject
+    from lorafleet.core.wire import Heartbeat, heartbeat_subject
 
     nc = await nats.connect(url)
     try:

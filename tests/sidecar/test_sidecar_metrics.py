@@ -14,12 +14,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from sidecar_testkit import BASE, WorkerProcess, fleet_dict
 from test_sidecar_worker_integration import make_task, reply_to, roundtrip
 
-from lorafleet.heartbeats import ENV_RESTARTS, Presence
-from lorafleet.nats_server import NatsServer
+from lorafleet.core.heartbeats import ENV_RESTARTS, Presence
+from lorafleet.core.wire import presence_subject
+from lorafleet.nats.server import NatsServer
 from lorafleet.sidecar import metrics as m
 from lorafleet.sidecar.metrics import MetricsServer, WorkerMetrics
 from lorafleet.testing import wait_until
-from lorafleet.wire import presence_subject
 
 
 def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

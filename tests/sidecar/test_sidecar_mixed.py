@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from sidecar_testkit import make_adapter
 
-from lorafleet.adapters import AdapterUnavailable
-from lorafleet.config import BaseModelSpec
+from lorafleet.core.adapters import AdapterUnavailable
+from lorafleet.core.config import BaseModelSpec
 from lorafleet.sidecar.runtime import AdapterWeights
 from lorafleet.sidecar.st_runtime import SentenceTransformerRuntime
 

@@ -12,13 +12,13 @@ import pytest
 from nats.errors import NoRespondersError
 from sidecar_testkit import BASE, fleet_dict, until
 
-from lorafleet.config import FleetConfig, QueueConfig
+from lorafleet.core.config import FleetConfig, QueueConfig
+from lorafleet.core.wire import HDR_MSG_ID, Result, Task, consumer_name, inbox_prefix, work_subject
 from lorafleet.sidecar.acks import Situation
 from lorafleet.sidecar.owners import Owner, OwnerTracker, owner_of
 from lorafleet.sidecar.scheduler import PullScheduler
 from lorafleet.sidecar.service_rate import ServiceRate
 from lorafleet.sidecar.settle import HeldTable, Settlement
-from lorafleet.wire import HDR_MSG_ID, Result, Task, consumer_name, inbox_prefix, work_subject
 
 
 class Clock:

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from sidecar_testkit import make_adapter
 
-from lorafleet import precision
-from lorafleet.adapters import AdapterUnavailable
-from lorafleet.config import BaseModelSpec, ConfigError
+from lorafleet.core.adapters import AdapterUnavailable
+from lorafleet.core.config import BaseModelSpec, ConfigError
+from lorafleet.models import precision
 from lorafleet.sidecar.runtime import create_runtime
 from lorafleet.sidecar.st_runtime import SentenceTransformerRuntime
 
@@ -192,7 +192,7 @@ def test_heartbeats_carry_each_bases_precision(nats_server: object, start_worker
 async def _heartbeat_with_bases(url: str, worker_id: str, n: int) -> object:
     import nats
 
-    from lorafleet.wire import Heartbeat, heartbeat_subject
+    from lorafleet.core.wire import Heartbeat, heartbeat_subject
 
     nc = await nats.connect(url)
     try:

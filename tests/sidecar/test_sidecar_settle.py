@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 from nats.errors import NoRespondersError
 
-from lorafleet.config import QueueConfig
+from lorafleet.core.config import QueueConfig
+from lorafleet.core.wire import ERR_ADAPTER, ERR_DEADLINE, Result, Task
 from lorafleet.sidecar.acks import Situation, decide
 from lorafleet.sidecar.owners import Owner, OwnerTracker
 from lorafleet.sidecar.settle import HeldTable, Settlement, Settler, after_reply, reply_hint
-from lorafleet.wire import ERR_ADAPTER, ERR_DEADLINE, Result, Task
 
 
 class FakeMsg:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from sidecar_testkit import make_adapter
 
-from lorafleet.config import BaseModelSpec
+from lorafleet.core.config import BaseModelSpec
 from lorafleet.sidecar.st_runtime import SentenceTransformerRuntime
 
 TEXTS = ["der käufer zahlt den preis", "die ware kommt bald an", "quick fox", "a much longer sentence " * 4]

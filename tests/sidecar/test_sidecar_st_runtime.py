@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lorafleet.adapters import AdapterUnavailable
-from lorafleet.config import BaseModelSpec
+from lorafleet.core.adapters import AdapterUnavailable
+from lorafleet.core.config import BaseModelSpec
 from lorafleet.sidecar.adapters import AdapterCache
 from lorafleet.sidecar.runtime import Runtime
 from lorafleet.sidecar.st_runtime import SentenceTransformerRuntime

@@ -13,13 +13,13 @@ from typing import Any
 import nats
 import pytest
 
-from lorafleet.nats_auth import gateway_inbox_prefix
-from lorafleet.nats_server import NatsServer
+from lorafleet.core.wire import GENERATE, RECEIPT_CANCEL, GenerateParams, Result, Task
+from lorafleet.nats.auth import gateway_inbox_prefix
+from lorafleet.nats.server import NatsServer
 from lorafleet.serve.textstream import TextStream
 from lorafleet.sidecar import streaming
 from lorafleet.sidecar.streaming import TextOut, TextStreams
 from lorafleet.testing import flush_nats
-from lorafleet.wire import GENERATE, RECEIPT_CANCEL, GenerateParams, Result, Task
 
 PIECES = 24
 

@@ -12,10 +12,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serve"))
 from generate_kit import build_tiny, transformers_reference
 
-from lorafleet.config import BaseModelSpec
+from lorafleet.core.config import BaseModelSpec
+from lorafleet.core.wire import GenerateParams
 from lorafleet.sidecar.runtime import ABORTED, GenerateInput, RequestRefused
 from lorafleet.sidecar.transformers_runtime import TransformersRuntime
-from lorafleet.wire import GenerateParams
 
 PROMPTS = ["The quick brown fox", "Workers pull tasks from the queue, batch them and reply", "Hello"]
 
@@ -85,7 +85,7 @@ def test_sampling_groups_and_seeds(runtime: TransformersRuntime) -> None:
 
 
 def test_adapters_and_refusals(runtime: TransformersRuntime, tiny: dict[str, Path]) -> None:
-    from lorafleet.adapters import AdapterUnavailable
+    from lorafleet.core.adapters import AdapterUnavailable
 
     base, with_a = (runtime.generate(inputs()[:1], a, Sink())[0].text for a in (None, "a"))
     assert base != with_a

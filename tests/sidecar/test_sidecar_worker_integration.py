@@ -14,10 +14,8 @@ import pytest
 import yaml
 from sidecar_testkit import BASE, WorkerProcess, fleet_dict
 
-from lorafleet.config import QueueConfig
-from lorafleet.nats_server import NatsServer
-from lorafleet.testing import wait_until
-from lorafleet.wire import (
+from lorafleet.core.config import QueueConfig
+from lorafleet.core.wire import (
     ERR_ADAPTER,
     ERR_DEADLINE,
     ERR_MALFORMED,
@@ -31,6 +29,8 @@ from lorafleet.wire import (
     pack,
     work_subject,
 )
+from lorafleet.nats.server import NatsServer
+from lorafleet.testing import wait_until
 
 pytestmark = pytest.mark.integration
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lorafleet.config import BaseModelSpec, ConfigError
+from lorafleet.core.config import BaseModelSpec, ConfigError
 from lorafleet.sidecar import vllm_install
 from lorafleet.sidecar.engine_adapters import EngineAdapters
 from lorafleet.sidecar.runtime import EngineRuntime, Generated, GenerateInput
@@ -108,7 +108,7 @@ def fake_venv(tmp_path: Path) -> Path:
 
 
 def test_command_and_env_keep_the_key_off_the_command_line(fake_venv: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # what a lorafleet worker on a 2-CPU host has (lorafleet/threads.py)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # what a lorafleet worker on a 2-CPU host has (lorafleet/ops/threads.py)
     monkeypatch.setenv("MKL_NUM_THREADS", "2")
     eng = VllmEngine(EngineConfig(model="/m", served_name="b", venv=fake_venv, device="cpu", max_loras=3,
                                   max_cpu_loras=6, max_lora_rank=8, kv_cache_gib=2, omp_threads_bind="auto"))

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-import lorafleet.causal as causal
-import lorafleet.train.generation_baselines as gb
+import lorafleet.models.causal as causal
+import lorafleet.train.kinds.generation.baselines as gb
 
 
 def _cfg(base: Path) -> Any:
@@ -42,7 +42,7 @@ def test_the_key_names_the_scoring_code_and_the_metric_libraries(gguf: Path) -> 
     from importlib.metadata import version
 
     names = {p.name for p in gb.BASELINES_CODE}
-    assert {"generation_eval.py", "generation_baselines.py", "generation_run.py", "causal.py"} <= names
+    assert {"evaluate.py", "baselines.py", "run.py", "causal.py"} <= names
     assert all(p.is_file() for p in gb.BASELINES_CODE)
     key = _key(gguf)
     assert key["code"] == gb.code_digest(gb.BASELINES_CODE)

@@ -58,10 +58,10 @@ def test_short_run_logged_to_mlflow(tmp_path: Path) -> None:
     import mlflow
     import pandas as pd
 
-    from lorafleet import settings
-    from lorafleet.metrics import mlflow_key
-    from lorafleet.tasks import get_task_kind
-    from lorafleet.train.evaluate import METRICS
+    from lorafleet.core import settings
+    from lorafleet.core.metrics import mlflow_key
+    from lorafleet.core.tasks import get_task_kind
+    from lorafleet.train.kinds.retrieval.evaluate import METRICS
 
     out = tmp_path / "run"
     result = _run(

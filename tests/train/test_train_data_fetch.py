@@ -12,8 +12,8 @@ import pytest
 from typer.testing import CliRunner
 
 from lorafleet.cli import app
-from lorafleet.settings import DataDirError
-from lorafleet.settings import data_dir as find_data_dir
+from lorafleet.core.settings import DataDirError
+from lorafleet.core.settings import data_dir as find_data_dir
 from lorafleet.train.statute_source import FetchError, fetch_statutes, source_id
 
 LAWS = ("kschg", "agg")
@@ -55,7 +55,7 @@ def test_fetch_from_a_clone_fills_the_cache_that_training_reads(tmp_path: Path, 
 
     # Training reads it, and the digest names the commit.
     from lorafleet.train import TrainConfig, build_dataset
-    from lorafleet.train.dataset import compute_digest
+    from lorafleet.train.kinds.retrieval.dataset import compute_digest
 
     cfg = TrainConfig(base_model="all-MiniLM-L6-v2", data={"laws": ["kschg"], "hard_negatives": False})
     ds = build_dataset(cfg)

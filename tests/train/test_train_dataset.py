@@ -7,17 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from lorafleet.config import ConfigError
-from lorafleet.settings import DataDirError
-from lorafleet.train.config import DataConfig, TrainConfig, load_train_config
-from lorafleet.train.dataset import (
-    SPLITS,
-    DatasetError,
-    build_dataset,
-    check_no_leakage,
-    chunk_text,
-    citation_queries,
-)
+from lorafleet.core.config import ConfigError
+from lorafleet.core.settings import DataDirError
+from lorafleet.train.chunks import DatasetError, chunk_text
+from lorafleet.train.kinds.retrieval.config import DataConfig, TrainConfig, load_train_config
+from lorafleet.train.kinds.retrieval.dataset import SPLITS, build_dataset, check_no_leakage, citation_queries
 from lorafleet.train.statutes import parse_law
 
 LAWS = ["kschg", "prodhaftg", "tzbfg"]
@@ -27,7 +21,7 @@ LAWS = ["kschg", "prodhaftg", "tzbfg"]
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from lorafleet.models import resolve_model_source
+    from lorafleet.core.model_source import resolve_model_source
 
     return AutoTokenizer.from_pretrained(resolve_model_source("all-MiniLM-L6-v2"))
 

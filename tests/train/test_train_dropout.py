@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from lorafleet.train.config import TrainConfig
 from lorafleet.train.dropout import fast_dropout, keep_mask, use_fast_dropout
-from lorafleet.train.generation_config import GenerationTrainConfig
-from lorafleet.train.rerank_config import RerankConfig
+from lorafleet.train.kinds.generation.config import GenerationTrainConfig
+from lorafleet.train.kinds.rerank.config import RerankConfig
+from lorafleet.train.kinds.retrieval.config import TrainConfig
 
 
 @pytest.mark.parametrize("p", [0.05, 0.1, 0.5])

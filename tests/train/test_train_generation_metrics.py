@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from lorafleet.config import ConfigError
-from lorafleet.tasks import get_task_kind, judge
-from lorafleet.train.generation_baselines import best_baseline, best_label
-from lorafleet.train.generation_eval import chrf, exact_match_reach, text_metrics
+from lorafleet.core.config import ConfigError
+from lorafleet.core.tasks import get_task_kind, judge
+from lorafleet.train.kinds.generation.baselines import best_baseline, best_label
+from lorafleet.train.kinds.generation.evaluate import chrf, exact_match_reach, text_metrics
 
 TRUTH = "Gemeinschaftliche Verwaltung"  # BGB § 744
 LEAD = "Die Verwaltung des gemeinschaftlichen Gegenstands steht den Teilhabern gemeinschaftlich zu"

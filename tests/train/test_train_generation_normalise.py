@@ -7,8 +7,8 @@ import doctest
 
 import pytest
 
-import lorafleet.train.generation_eval as ge
-from lorafleet.train.generation_eval import chrf, exact_match_reach, normalise_heading, rouge_l, text_metrics
+import lorafleet.train.kinds.generation.evaluate as ge
+from lorafleet.train.kinds.generation.evaluate import chrf, exact_match_reach, normalise_heading, rouge_l, text_metrics
 
 
 def test_a_leading_label_costs_no_metric() -> None:

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import yaml
 
-from lorafleet.train.generation import GenerationTrainConfig, build_sft_trainer, load_generation_config
-from lorafleet.train.headings import HeadingsDataConfig, build_headings
+from lorafleet.train.kinds.generation.headings import HeadingsDataConfig, build_headings
+from lorafleet.train.kinds.generation.trainer import GenerationTrainConfig, build_sft_trainer, load_generation_config
 
 REPO = Path(__file__).resolve().parents[2]
 HEADINGS = REPO / "configs" / "german-legal-headings.yaml"
@@ -69,7 +69,7 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Path
 
 def test_schedule_reaches_the_trainer_and_the_loss_is_on_the_heading_only(tiny_llama: Path, data_dir: Path,
                                                                           tmp_path: Path) -> None:
-    from lorafleet.train.causal_lm import load_causal_base
+    from lorafleet.train.kinds.generation.causal_lm import load_causal_base
 
     cfg = GenerationTrainConfig.model_validate({
         "base_model": str(tiny_llama), "device": "cpu", "lr_scheduler": "cosine", "batch_size": 4,

@@ -7,8 +7,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+from train_testkit import GEN_LAWS, GEN_SYSTEM, check_epoch_exception_propagates, tiny_generation_cfg
 
-from lorafleet.train.causal_lm import (
+from lorafleet.train.kinds.generation.causal_lm import (
     CausalLMError,
     convert_gguf,
     find_gguf,
@@ -16,14 +17,7 @@ from lorafleet.train.causal_lm import (
     load_causal_base,
     resolve_causal_source,
 )
-from lorafleet.train.generation import (
-    GenerationLoraSettings,
-    GenerationTrainConfig,
-    assistant_loss,
-    build_sft_trainer,
-    train_generation,
-)
-from lorafleet.train.generation_eval import (
+from lorafleet.train.kinds.generation.evaluate import (
     clean_answer,
     fit_lead_length,
     lead_baseline,
@@ -31,11 +25,16 @@ from lorafleet.train.generation_eval import (
     normalise_heading,
     text_metrics,
 )
-from lorafleet.train.headings import HeadingsDataConfig, build_headings
+from lorafleet.train.kinds.generation.headings import build_headings
+from lorafleet.train.kinds.generation.trainer import (
+    GenerationTrainConfig,
+    assistant_loss,
+    build_sft_trainer,
+    train_generation,
+)
 from lorafleet.train.statutes import parse_law
 
-LAWS = ["kschg", "prodhaftg", "tzbfg", "agg"]
-SYSTEM = "Überschrift des Paragraphen."
+LAWS, SYSTEM = GEN_LAWS, GEN_SYSTEM
 
 
 @pytest.fixture(scope="module")
@@ -49,15 +48,7 @@ def tiny_llama(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
 
 
 def _cfg(model: Path, **kw) -> GenerationTrainConfig:
-    base = dict(
-        base_model=str(model),
-        data=HeadingsDataConfig(laws=LAWS, input_max_tokens=32, system_prompt=SYSTEM, dev_fraction=0.15,
-                                test_fraction=0.15, max_eval_examples=12),
-        lora=GenerationLoraSettings(r=8, alpha=16), learning_rate=5e-3, epochs=3, batch_size=8, warmup_ratio=0.0,
-        max_length=96, device="cpu", eval_batch_size=12, max_new_tokens=6,
-    )
-    base.update(kw)
-    return GenerationTrainConfig(**base)
+    return tiny_generation_cfg(model, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +116,7 @@ def test_training_lowers_loss_and_adapter_reloads(tiny_llama: Path, dataset, tmp
 
 def test_kind_train_decodes_dev_only(tiny_llama: Path, dataset, tmp_path: Path) -> None:
     """What a research trial runs: dev is decoded, test never (greedy decoding of test is for the winner)."""
-    from lorafleet.tasks import get_task_kind
+    from lorafleet.core.tasks import get_task_kind
 
     result = get_task_kind("generation").train(_cfg(tiny_llama, epochs=1), dataset, tmp_path / "run")
     assert "dev_chrf" in result.metrics and not any(k.startswith("test_") for k in result.metrics)
@@ -159,19 +150,9 @@ def test_loss_masks_non_assistant_tokens(tiny_llama: Path, dataset, tmp_path: Pa
 
 
 def test_epoch_callback_exception_propagates(tiny_llama: Path, dataset, tmp_path: Path) -> None:
-    class Prune(Exception):
-        pass
-
-    seen: list[int] = []
-
-    def on_epoch(epoch: int, metrics: dict[str, float]) -> None:
-        seen.append(epoch)
-        raise Prune(f"epoch {epoch}")
-
-    with pytest.raises(Prune, match="epoch 1"):
-        train_generation(_cfg(tiny_llama, epochs=3), dataset, tmp_path / "run", on_epoch=on_epoch)
-    assert seen == [1]
-    assert not (tmp_path / "run" / "adapter").exists()
+    check_epoch_exception_propagates(
+        lambda on_epoch: train_generation(_cfg(tiny_llama, epochs=3), dataset, tmp_path / "run", on_epoch=on_epoch),
+        tmp_path / "run")
 
 
 def test_not_a_causal_lm(tiny_model_dir: Path) -> None:
@@ -231,7 +212,7 @@ def test_text_metrics_and_lead() -> None:
 
 def test_bundle_details(tiny_llama: Path) -> None:
     from lorafleet.testing import CHATML_TEMPLATE
-    from lorafleet.train.generation_run import bundle_details
+    from lorafleet.train.kinds.generation.run import bundle_details
 
     details = bundle_details(_cfg(tiny_llama))
     assert details["chat_template"] == CHATML_TEMPLATE and details["system_prompt"] == SYSTEM

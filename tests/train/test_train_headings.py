@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from lorafleet.train.dataset import DatasetError
-from lorafleet.train.headings import (
+from lorafleet.train.chunks import DatasetError
+from lorafleet.train.kinds.generation.headings import (
     SPLITS,
     HeadingsDataConfig,
     build_headings,

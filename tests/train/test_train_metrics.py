@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from lorafleet.train.evaluate import METRICS, SectionIndex, query_metrics, score_rankings
+from lorafleet.train.kinds.retrieval.evaluate import METRICS, SectionIndex, query_metrics, score_rankings
 
 
 def _random_case(seed: int, n_queries: int = 40, n_docs: int = 150) -> tuple[dict, dict]:

@@ -10,11 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from train_testkit import GEN_LAWS, GEN_SYSTEM, tiny_generation_cfg
 
-from lorafleet.config import ConfigError
-from lorafleet.precision import native_cpu_precisions, read_cpuinfo
+from lorafleet.core.config import ConfigError
+from lorafleet.models.precision import native_cpu_precisions, read_cpuinfo
 from lorafleet.train import DataConfig, LoraSettings, TrainConfig, build_dataset, train_adapter
-from lorafleet.train.config import resolve_training_precision
+from lorafleet.train.precision import resolve_training_precision
 from lorafleet.train.statutes import parse_law
 
 WITH_BF16 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
@@ -35,7 +36,7 @@ def test_auto_resolves_by_the_cpu_flags(cpuinfo: str, auto: str) -> None:
 
 
 def test_auto_follows_the_host_capability_check(monkeypatch: pytest.MonkeyPatch) -> None:
-    import lorafleet.precision as precision
+    import lorafleet.models.precision as precision
 
     monkeypatch.setattr(precision, "read_cpuinfo", lambda: WITH_BF16)
     assert resolve_training_precision("auto", "cpu") == "bf16"
@@ -66,7 +67,7 @@ def test_bf16_without_native_support_is_a_config_error() -> None:
 def test_configs_take_the_setting_and_default_to_fp32() -> None:
     from pydantic import ValidationError
 
-    from lorafleet.train.generation_config import GenerationTrainConfig
+    from lorafleet.train.kinds.generation.config import GenerationTrainConfig
 
     assert TrainConfig().precision == "fp32" and GenerationTrainConfig().precision == "fp32"
     assert TrainConfig(precision="auto").precision == "auto"
@@ -77,9 +78,9 @@ def test_configs_take_the_setting_and_default_to_fp32() -> None:
 
 def test_generation_dtype_keeps_working(monkeypatch: pytest.MonkeyPatch) -> None:
     """`dtype` loads the weights; bfloat16 weights train in bf16 whatever `precision` says (CUDA's 'auto')."""
-    import lorafleet.precision as precision
-    from lorafleet.train.generation import training_precision
-    from lorafleet.train.generation_config import GenerationTrainConfig
+    import lorafleet.models.precision as precision
+    from lorafleet.train.kinds.generation.config import GenerationTrainConfig
+    from lorafleet.train.kinds.generation.trainer import training_precision
 
     monkeypatch.setattr(precision, "read_cpuinfo", lambda: WITH_BF16)
     assert training_precision(GenerationTrainConfig(), "cpu") == "fp32"  # dtype auto on CPU: float32 weights
@@ -140,8 +141,8 @@ def test_retrieval_bf16_autocasts_over_float32_weights(statute_model: Path, tmp_
     import torch
     from safetensors.torch import load_file
 
-    import lorafleet.train.trainer as trainer_mod
-    from lorafleet.train.trainer import load_base_model, pairs_loss
+    import lorafleet.train.kinds.retrieval.trainer as trainer_mod
+    from lorafleet.train.kinds.retrieval.trainer import load_base_model, pairs_loss
 
     # lr 1e-2 for 8 epochs: the fp32 test's setting (25–33 % lower loss there; 4 epochs give too little).
     cfg = _retrieval_cfg(statute_model, precision="bf16", epochs=8)
@@ -167,8 +168,8 @@ def test_retrieval_bf16_autocasts_over_float32_weights(statute_model: Path, tmp_
 
 def test_retrieval_bf16_refused_before_any_work(statute_model: Path, tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    import lorafleet.precision as precision
-    import lorafleet.train.trainer as trainer_mod
+    import lorafleet.models.precision as precision
+    import lorafleet.train.kinds.retrieval.trainer as trainer_mod
 
     cfg = _retrieval_cfg(statute_model, precision="bf16")
     dataset = build_dataset(cfg)
@@ -180,8 +181,7 @@ def test_retrieval_bf16_refused_before_any_work(statute_model: Path, tmp_path: P
 
 # ---------------------------------------------------------------- generation: a tiny Llama
 
-SYSTEM = "Überschrift des Paragraphen."
-GEN_LAWS = ["kschg", "prodhaftg", "tzbfg", "agg"]
+SYSTEM = GEN_SYSTEM
 
 
 @pytest.fixture(scope="module")
@@ -194,24 +194,13 @@ def tiny_llama(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
 
 
 def _generation_cfg(model: Path, **kw: Any) -> Any:
-    from lorafleet.train.generation import GenerationLoraSettings, GenerationTrainConfig
-    from lorafleet.train.headings import HeadingsDataConfig
-
-    base: dict[str, Any] = dict(
-        base_model=str(model),
-        data=HeadingsDataConfig(laws=GEN_LAWS, input_max_tokens=32, system_prompt=SYSTEM, dev_fraction=0.15,
-                                test_fraction=0.15, max_eval_examples=12),
-        lora=GenerationLoraSettings(r=8, alpha=16), learning_rate=5e-3, epochs=3, batch_size=8, warmup_ratio=0.0,
-        max_length=96, device="cpu", eval_batch_size=12, max_new_tokens=6,
-    )
-    base.update(kw)
-    return GenerationTrainConfig(**base)
+    return tiny_generation_cfg(model, **kw)
 
 
 @pytest.fixture(scope="module")
 def headings(tiny_llama: Path, data_dir: Path) -> Any:
-    from lorafleet.train.causal_lm import load_causal_base
-    from lorafleet.train.headings import build_headings
+    from lorafleet.train.kinds.generation.causal_lm import load_causal_base
+    from lorafleet.train.kinds.generation.headings import build_headings
 
     cfg = _generation_cfg(tiny_llama)
     _, tok = load_causal_base(cfg.base_model)
@@ -224,8 +213,8 @@ def test_generation_bf16_autocasts_over_float32_weights(tiny_llama: Path, headin
     import torch
     from safetensors.torch import load_file
 
-    import lorafleet.train.generation as generation
-    from lorafleet.train.causal_lm import load_causal_base
+    import lorafleet.train.kinds.generation.trainer as generation
+    from lorafleet.train.kinds.generation.causal_lm import load_causal_base
 
     cfg = _generation_cfg(tiny_llama, precision="bf16")
     conversations = [row["messages"] for row in headings.data["train"]]
@@ -254,8 +243,8 @@ def test_generation_bf16_autocasts_over_float32_weights(tiny_llama: Path, headin
 
 def test_generation_bf16_refused_before_any_work(tiny_llama: Path, headings: Any, tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    import lorafleet.precision as precision
-    import lorafleet.train.generation as generation
+    import lorafleet.models.precision as precision
+    import lorafleet.train.kinds.generation.trainer as generation
 
     monkeypatch.setattr(precision, "read_cpuinfo", lambda: WITHOUT_BF16)
     monkeypatch.setattr(generation, "load_causal_base", lambda *a, **k: pytest.fail("loaded a model"))
@@ -270,8 +259,8 @@ def test_generation_bf16_refused_before_any_work(tiny_llama: Path, headings: Any
 def test_mlflow_run_records_the_training_precision(tmp_path: Path) -> None:
     from mlflow import MlflowClient
 
-    from lorafleet import settings
-    from lorafleet.tasks import TrainResult
+    from lorafleet.core import settings
+    from lorafleet.core.tasks import TrainResult
     from lorafleet.train import tracking
 
     (tmp_path / "adapter").mkdir()
@@ -289,9 +278,9 @@ def test_mlflow_run_records_the_training_precision(tmp_path: Path) -> None:
 
 
 def test_bundle_details_record_the_training_precision(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import lorafleet.precision as precision
-    from lorafleet.train.generation_kind import GenerationKind
-    from lorafleet.train.retrieval_kind import RetrievalKind
+    import lorafleet.models.precision as precision
+    from lorafleet.train.kinds.generation.kind import GenerationKind
+    from lorafleet.train.kinds.retrieval.kind import RetrievalKind
 
     monkeypatch.setattr(precision, "read_cpuinfo", lambda: WITH_BF16)
     assert RetrievalKind().bundle_details(TrainConfig(precision="auto", device="cpu"))["training_precision"] == "bf16"

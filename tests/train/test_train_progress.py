@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from lorafleet import progress as progress_mod
-from lorafleet.progress import StepProgress, hold_terminal
+from lorafleet.core import progress as progress_mod
+from lorafleet.core.progress import StepProgress, hold_terminal
 from lorafleet.train import DataConfig, LoraSettings, TrainConfig, build_dataset, train_adapter
 from lorafleet.train.statutes import parse_law
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import yaml
 
-from lorafleet.train.fusion import fuse_rankings, rrf
+from lorafleet.train.kinds.rerank.fusion import fuse_rankings, rrf
 
 SYLLABLES = ["ka", "lo", "mi", "ru", "sen", "tav", "po", "lin", "dar", "fel", "gus", "hep", "vor", "zu"]
 WORDS = [a + b for a in SYLLABLES for b in SYLLABLES if a != b]  # 182 pseudo-words, none a German stop word
@@ -81,8 +81,8 @@ def _train_raw(model: Path, pairs: Path, **kw: Any) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def trained(setup: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from lorafleet.tasks import get_task_kind
-    from lorafleet.train.rerank import train_reranker
+    from lorafleet.core.tasks import get_task_kind
+    from lorafleet.train.kinds.rerank.trainer import train_reranker
 
     kind = get_task_kind("rerank")
     cfg = kind.parse_config(_train_raw(*setup))
@@ -107,10 +107,10 @@ def test_rrf_on_known_rankings() -> None:
 
 
 def test_kind_is_found_through_the_entry_point() -> None:
-    from lorafleet import wire
+    from lorafleet.core import wire
+    from lorafleet.core.tasks import get_task_kind, task_kind_names
     from lorafleet.sidecar.runtime import runtime_class
-    from lorafleet.tasks import get_task_kind, task_kind_names
-    from lorafleet.train.rerank import RerankKind
+    from lorafleet.train.kinds.rerank.kind import RerankKind
 
     assert "rerank" in task_kind_names()
     kind = get_task_kind("rerank")
@@ -129,8 +129,8 @@ def test_kind_is_found_through_the_entry_point() -> None:
 
 
 def test_training_lowers_the_loss_and_reports_dev_only(trained: dict[str, Any]) -> None:
-    from lorafleet.train.rerank import listwise_loss
-    from lorafleet.train.rerank_eval import load_reranker
+    from lorafleet.train.kinds.rerank.evaluate import load_reranker
+    from lorafleet.train.kinds.rerank.trainer import listwise_loss
 
     result, cfg, calls = trained["result"], trained["cfg"], trained["calls"]
     assert [e for e, _ in calls] == [1, 2, 3, 4, 5]
@@ -152,7 +152,7 @@ def test_training_lowers_the_loss_and_reports_dev_only(trained: dict[str, Any]) 
 
 
 def test_adapter_with_its_head_serves_identically(trained: dict[str, Any]) -> None:
-    from lorafleet.config import BaseModelSpec
+    from lorafleet.core.config import BaseModelSpec
     from lorafleet.sidecar.ce_runtime import CrossEncoderRuntime
 
     result, cfg, dataset = trained["result"], trained["cfg"], trained["dataset"]
@@ -186,9 +186,9 @@ class _Oracle:
 
 
 def test_pipeline_reports_itself_beside_the_first_stage(trained: dict[str, Any]) -> None:
-    from lorafleet.train.evaluate import evaluate_bm25
-    from lorafleet.train.rerank_config import FirstStageSettings
-    from lorafleet.train.rerank_eval import first_stage_ranking, pipeline_metrics
+    from lorafleet.train.kinds.rerank.config import FirstStageSettings
+    from lorafleet.train.kinds.rerank.evaluate import first_stage_ranking, pipeline_metrics
+    from lorafleet.train.kinds.retrieval.evaluate import evaluate_bm25
 
     dataset, cfg = trained["dataset"], trained["cfg"]
     data = dataset.retrieval
@@ -215,7 +215,7 @@ def test_research_over_pipelines_logs_to_mlflow(setup: tuple[Path, Path], tmp_pa
                                                  _isolated_home: Path) -> None:
     import mlflow
 
-    from lorafleet import settings
+    from lorafleet.core import settings
     from lorafleet.research.config import load_config
     from lorafleet.research.runner import run_research
 

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from lorafleet.adapters import AdapterUnavailable
+from lorafleet.core.adapters import AdapterUnavailable
 
 WORDS = [a + b for a in ["ka", "lo", "mi", "ru", "sen", "tav", "po", "lin", "dar", "fel"]
          for b in ["ga", "te", "bo", "ni", "su", "ver", "dul", "mar"]]  # 80 pseudo-words
@@ -45,7 +45,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
 
 
 def _cfg(model: Path, pairs: Path, embedder: str, kind: str = "dense") -> Any:
-    from lorafleet.tasks import get_task_kind
+    from lorafleet.core.tasks import get_task_kind
 
     return get_task_kind("rerank").parse_config({
         "base_model": str(model),
@@ -57,11 +57,11 @@ def _cfg(model: Path, pairs: Path, embedder: str, kind: str = "dense") -> Any:
 
 
 def test_registered_specialist_is_the_first_stage(setup: tuple[Path, Path, Path], _isolated_home: Path) -> None:
+    from lorafleet.core.tasks import get_task_kind
     from lorafleet.registry import store
-    from lorafleet.tasks import get_task_kind
-    from lorafleet.train.evaluate import DenseEvaluator, SectionIndex, _encode
-    from lorafleet.train.rerank_eval import first_stage_ranking, pipeline_metrics
-    from lorafleet.train.trainer import load_adapter_model, load_base_model
+    from lorafleet.train.kinds.rerank.evaluate import first_stage_ranking, pipeline_metrics
+    from lorafleet.train.kinds.retrieval.evaluate import DenseEvaluator, SectionIndex, _encode
+    from lorafleet.train.kinds.retrieval.trainer import load_adapter_model, load_base_model
 
     model, adapter, pairs = setup
     ref = store.register_bundle("legal-embed", adapter, base_source=str(model), base_name="tiny",
@@ -95,14 +95,14 @@ def test_registered_specialist_is_the_first_stage(setup: tuple[Path, Path, Path]
 
 
 def test_bad_registry_references(setup: tuple[Path, Path, Path], _isolated_home: Path) -> None:
-    from lorafleet.config import ConfigError
-    from lorafleet.train.rerank_eval import first_stage_ranking
+    from lorafleet.core.config import ConfigError
+    from lorafleet.train.kinds.rerank.evaluate import first_stage_ranking
 
     model, _, pairs = setup
     with pytest.raises(ConfigError, match=r"first_stage\.embedder.*models:/NAME/VERSION"):
         _cfg(model, pairs, "models:/no version")
     cfg = _cfg(model, pairs, "models:/never-registered/1")
-    from lorafleet.tasks import get_task_kind
+    from lorafleet.core.tasks import get_task_kind
 
     dataset = get_task_kind("rerank").build_dataset(cfg)
     with pytest.raises(AdapterUnavailable, match="never-registered"):

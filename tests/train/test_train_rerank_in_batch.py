@@ -16,7 +16,7 @@ WORDS = ["kauf", "miete", "pacht", "leihe", "darlehen", "schenkung", "werk", "di
 @pytest.fixture(scope="module")
 def reranker(tmp_path_factory: pytest.TempPathFactory) -> Any:
     from lorafleet.testing import build_tiny_model
-    from lorafleet.train.rerank_eval import load_reranker
+    from lorafleet.train.kinds.rerank.evaluate import load_reranker
 
     path = build_tiny_model(tmp_path_factory.mktemp("ce") / "bert", corpus=[" ".join(WORDS)] * 4, vocab_size=120,
                             hidden=16, layers=1, heads=2)
@@ -25,8 +25,8 @@ def reranker(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 def _columns_scored(reranker: Any, monkeypatch: pytest.MonkeyPatch, **settings: Any) -> int:
     """How many (query, document) columns one forward of the configured loss scores for a batch of 16."""
-    from lorafleet.train.rerank import _loss
-    from lorafleet.train.rerank_config import RerankConfig
+    from lorafleet.train.kinds.rerank.config import RerankConfig
+    from lorafleet.train.kinds.rerank.trainer import _loss
 
     loss = _loss(RerankConfig(**settings), reranker)
     seen: list[int] = []
@@ -61,7 +61,7 @@ def test_in_batch_negatives_counts(reranker: Any, monkeypatch: pytest.MonkeyPatc
 def test_null_in_batch_negatives_is_refused() -> None:
     from pydantic import ValidationError
 
-    from lorafleet.train.rerank_config import RerankConfig
+    from lorafleet.train.kinds.rerank.config import RerankConfig
 
     assert RerankConfig().in_batch_negatives == 4
     with pytest.raises(ValidationError, match="in_batch_negatives"):

@@ -18,7 +18,12 @@ pytestmark = pytest.mark.integration
 def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The converted base folder, made once for the module in a LORAFLEET_HOME of its own."""
     pytest.importorskip("gguf")
-    from lorafleet.train.causal_lm import PACKAGED_SMOLLM2, gguf_cache_dir, packaged_gguf, resolve_causal_source
+    from lorafleet.train.kinds.generation.causal_lm import (
+        PACKAGED_SMOLLM2,
+        gguf_cache_dir,
+        packaged_gguf,
+        resolve_causal_source,
+    )
 
     home = tmp_path_factory.mktemp("smollm2-home")
     with pytest.MonkeyPatch.context() as mp:
@@ -32,8 +37,8 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_converted_base_is_a_normal_folder(smollm2: Path) -> None:
-    from lorafleet.train.causal_lm import BASE_INFO_FILE, describe_base
-    from lorafleet.train.generation_eval import generate_answers
+    from lorafleet.train.kinds.generation.causal_lm import BASE_INFO_FILE, describe_base
+    from lorafleet.train.kinds.generation.evaluate import generate_answers
 
     names = {p.name for p in smollm2.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", BASE_INFO_FILE} <= names
@@ -46,7 +51,7 @@ def test_converted_base_is_a_normal_folder(smollm2: Path) -> None:
     described = describe_base(str(smollm2))
     assert described["quantization"] == "Q4_1" and described["gguf_sha256"] == info["gguf_sha256"]
 
-    from lorafleet.train.causal_lm import load_causal_base
+    from lorafleet.train.kinds.generation.causal_lm import load_causal_base
 
     model, tok = load_causal_base(str(smollm2))
     assert tok.chat_template and tok.eos_token == "<|im_end|>"
@@ -56,9 +61,9 @@ def test_converted_base_is_a_normal_folder(smollm2: Path) -> None:
 
 
 def test_short_lora_run(smollm2: Path, tmp_path: Path) -> None:
-    from lorafleet.train.generation import GenerationLoraSettings, GenerationTrainConfig
-    from lorafleet.train.generation_run import run_generation_train
-    from lorafleet.train.headings import HeadingsDataConfig
+    from lorafleet.train.kinds.generation.headings import HeadingsDataConfig
+    from lorafleet.train.kinds.generation.run import run_generation_train
+    from lorafleet.train.kinds.generation.trainer import GenerationLoraSettings, GenerationTrainConfig
 
     cfg = GenerationTrainConfig(
         base_model=str(smollm2),
@@ -84,7 +89,7 @@ def test_short_lora_run(smollm2: Path, tmp_path: Path) -> None:
     # Logged to a real MLflow store, read back as a user would.
     import mlflow
 
-    from lorafleet import settings
+    from lorafleet.core import settings
 
     mlflow.set_tracking_uri(settings.mlflow_tracking_uri())
     runs = mlflow.search_runs(experiment_names=["lorafleet-train"], output_format="pandas")

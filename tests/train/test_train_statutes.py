@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from lorafleet.settings import DataDirError
+from lorafleet.core.settings import DataDirError
 from lorafleet.train.statutes import available_laws, parse_law, parse_law_text
 
 # What this parser yields for bgb.md (bundestag/gesetze @ 77abca2c): every `§ N` heading that is not

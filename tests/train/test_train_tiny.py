@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from train_testkit import check_epoch_exception_propagates
 
 from lorafleet.train import (
     METRICS,
@@ -17,8 +18,8 @@ from lorafleet.train import (
     load_adapter_model,
     train_adapter,
 )
+from lorafleet.train.kinds.retrieval.trainer import load_base_model, mine_negatives, pairs_loss
 from lorafleet.train.statutes import parse_law
-from lorafleet.train.trainer import load_base_model, mine_negatives, pairs_loss
 
 LAWS = ["kschg", "prodhaftg"]
 
@@ -110,17 +111,6 @@ def test_hard_negatives_and_foreign_base_path(statute_model: Path, tmp_path: Pat
 
 
 def test_epoch_callback_exception_propagates(statute_model: Path, tmp_path: Path) -> None:
-    class Prune(Exception):
-        pass
-
-    seen: list[int] = []
-
-    def on_epoch(epoch: int, metrics: dict[str, float]) -> None:
-        seen.append(epoch)
-        raise Prune(f"epoch {epoch}")
-
     cfg = _cfg(statute_model, epochs=3, data=DataConfig(laws=LAWS, hard_negatives=False, max_train_queries=16))
-    with pytest.raises(Prune, match="epoch 1"):
-        train_adapter(cfg, build_dataset(cfg), tmp_path / "run", on_epoch=on_epoch)
-    assert seen == [1]
-    assert not (tmp_path / "run" / "adapter").exists()
+    check_epoch_exception_propagates(
+        lambda on_epoch: train_adapter(cfg, build_dataset(cfg), tmp_path / "run", on_epoch=on_epoch), tmp_path / "run")

@@ -30,8 +30,8 @@ class _Data:
 def test_a_generation_run_leads_with_its_headline(tmp_path: Path) -> None:
     from mlflow import MlflowClient
 
-    from lorafleet import settings
-    from lorafleet.tasks import TrainResult
+    from lorafleet.core import settings
+    from lorafleet.core.tasks import TrainResult
     from lorafleet.train import tracking
 
     (tmp_path / "adapter").mkdir()

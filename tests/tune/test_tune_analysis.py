@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lorafleet.config import ServingProfile
+from lorafleet.core.config import ServingProfile
 from lorafleet.tune.analysis import ProfileResult, pareto_front, plateaued, recommend
 
 

@@ -58,7 +58,7 @@ def test_ship_tunes_with_the_winners_dev_set(tiny_model_dir: Path, adapter: Path
     _consistent(source.dev)
     assert source.adapter_dir == adapter and source.base_source == str(tiny_model_dir) and source.label == "legal"
     # the dev split only: the same queries the kind's dataset holds as dev
-    from lorafleet.tasks import get_task_kind
+    from lorafleet.core.tasks import get_task_kind
 
     kind = get_task_kind("retrieval")
     dataset = kind.build_dataset(kind.parse_config(config))
@@ -66,7 +66,7 @@ def test_ship_tunes_with_the_winners_dev_set(tiny_model_dir: Path, adapter: Path
 
 
 def test_the_dev_set_is_capped(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from lorafleet.tasks import get_task_kind
+    from lorafleet.core.tasks import get_task_kind
 
     kind = get_task_kind("retrieval")
     dataset = kind.build_dataset(kind.parse_config(_config(tiny_model_dir, tmp_path / "data", n=120)))
@@ -79,8 +79,8 @@ def test_the_dev_set_is_capped(tiny_model_dir: Path, tmp_path: Path) -> None:
 
 def test_tune_of_a_bundle_rebuilds_its_dev_set_only_when_it_can(tiny_model_dir: Path, adapter: Path, tmp_path: Path,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    from lorafleet.core.tasks import get_task_kind
     from lorafleet.registry.bundle import build_bundle
-    from lorafleet.tasks import get_task_kind
 
     config = _config(tiny_model_dir, tmp_path / "data")
     kind = get_task_kind("retrieval")

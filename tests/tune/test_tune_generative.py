@@ -127,7 +127,7 @@ def test_shipping_a_generative_winner_tunes_and_registers_it(tmp_path: Path, mon
     from lorafleet.registry import store
     from lorafleet.research.result import ResearchResult
     from lorafleet.testing import build_tiny_llama
-    from lorafleet.train.generation_config import GenerationTrainConfig
+    from lorafleet.train.kinds.generation.config import GenerationTrainConfig
 
     base = build_tiny_llama(tmp_path / "base")
     torch.manual_seed(0)

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import yaml
 
-from lorafleet.config import ServingProfile
-from lorafleet.metrics import ndcg_at_k
+from lorafleet.core.config import ServingProfile
+from lorafleet.core.metrics import ndcg_at_k
 from lorafleet.tune import precision as tp
 from lorafleet.tune import sweep
 from lorafleet.tune.analysis import ProfileResult
@@ -173,7 +173,7 @@ def test_sweep_recommends_the_fastest_qualifying_precision_and_reports_all(
 def test_guard_through_the_real_runtime(tiny_model_dir: Path, tmp_path: Path) -> None:
     """The guard on the sentence-transformers runtime, tiny BERT and a LoRA adapter: fp32 is the reference, int8 is
     disqualified because its quantised Linear layers take no adapter, an unsupported precision is named as such."""
-    from lorafleet.precision import supported_precisions
+    from lorafleet.models.precision import supported_precisions
     from lorafleet.testing import make_random_adapter
 
     adapter = make_random_adapter(tiny_model_dir, tmp_path / "lora", seed=7)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lorafleet.config import ServingProfile
+from lorafleet.core.config import ServingProfile
 from lorafleet.tune import sweep
 from lorafleet.tune.analysis import ProfileResult
 from lorafleet.tune.config import TuneConfig

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from lorafleet.config import ServingProfile
+from lorafleet.core.config import ServingProfile
 
 pytestmark = pytest.mark.integration
 

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from lorafleet.config import ServingProfile
+from lorafleet.core.config import ServingProfile
 from lorafleet.tune.config import TuneConfig
 from lorafleet.tune.score import is_score, rerank_bodies
 from lorafleet.tune.source import from_adapter_dir

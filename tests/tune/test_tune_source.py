@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from lorafleet.config import ServingProfile
+from lorafleet.core.config import ServingProfile
 from lorafleet.pipeline import resolve_tune_source as resolve_source
 from lorafleet.tune.config import TuneError
 
