@@ -124,7 +124,8 @@ def test_auto_runs_the_guard_once_and_caches_the_verdict(tiny_model_dir: Path, t
         assert first.precision == "fp32" and probes == []  # decided per served model, once the worker knows them
         first.use_judged([])  # no model served: the bare base is what it serves
     assert first.precision == "bf16" and probes == ["fp32", "bf16"]  # int8 is never a candidate (no adapters)
-    assert "precision auto → bf16 (bf16 min cosine" in caplog.text
+    assert "the bare base probed: bf16 min cosine" in caplog.text  # the probe says what it measured
+    assert "precision auto → bf16 (auto: every served model was judged at bf16)" in caplog.text
     cached = json.loads((tmp_path / "home" / precision.CACHE_FILE).read_text())
     (entry,) = cached.values()
     assert entry["precision"] == "bf16" and entry["cosines"]["bf16"] >= precision.GUARD_MIN_COSINE
