@@ -177,24 +177,16 @@ def run_infinity(args: argparse.Namespace, work: Path, model: Any, bodies: list[
 
 def _adapters(model: str, n: int, out: Path) -> list[Path]:
     """`n` LoRAs of the cross-encoder (r=8 on query/value, each with its own trained-looking head), built once."""
-    import torch
-    from peft import LoraConfig, TaskType
-
     from lorafleet.core.model_source import resolve_model_source
     from lorafleet.sidecar.ce_runtime import load_cross_encoder
+    from lorafleet.testing import add_random_ce_adapter
 
     paths = [out / f"ce-{i}" for i in range(n)]
     if all((p / "adapter_config.json").is_file() for p in paths):
         return paths
     for i, path in enumerate(paths):
         ce = load_cross_encoder(resolve_model_source(model))
-        ce.add_adapter(LoraConfig(task_type=TaskType.SEQ_CLS, r=8, target_modules=["query", "value"],
-                                  modules_to_save=["classifier"]), adapter_name=f"ce-{i}")
-        gen = torch.Generator().manual_seed(100 + i)
-        with torch.no_grad():
-            for name, p in ce.model.named_parameters():
-                if "lora_B" in name or "modules_to_save" in name:
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+        add_random_ce_adapter(ce, f"ce-{i}", r=8, seed=100 + i, scale=0.05)
         ce.save_pretrained(str(path))
     return paths
 

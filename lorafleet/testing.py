@@ -105,6 +105,25 @@ def make_random_adapter(base_model: str | Path, out_dir: str | Path, *, seed: in
     return out
 
 
+def add_random_ce_adapter(model: Any, name: str, *, r: int = 4, seed: int = 0, scale: float = 0.2) -> Any:
+    """Add a LoRA adapter `name` with random weights (and its own random head) to a cross-encoder `model`.
+
+    peft initialises B to zero and copies the head, which would make the adapter score like its base; random B
+    and head weights from a seeded generator make each adapter visibly its own. Returns `model`.
+    """
+    import torch
+    from peft import LoraConfig, TaskType
+
+    model.add_adapter(LoraConfig(task_type=TaskType.SEQ_CLS, r=r, target_modules=["query", "value"],
+                                 modules_to_save=["classifier"]), adapter_name=name)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param_name, p in model.model.named_parameters():
+            if "lora_B" in param_name or "modules_to_save" in param_name:
+                p.copy_(torch.randn(p.shape, generator=gen) * scale)
+    return model
+
+
 CHATML_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,8 +47,18 @@ from lorafleet.registry.promote import (
     default_margin,
     find_fleet,
 )
-from lorafleet.registry.store import CANDIDATE, CHAMPION, VersionInfo
-from lorafleet.registry.transition import Change, Split, connected, finished_by_repair, locked, rewrite, start_split
+from lorafleet.registry.store import VersionInfo
+from lorafleet.registry.transition import (
+    Change,
+    Split,
+    check_share,
+    connected,
+    finished_by_repair,
+    gated_candidate,
+    locked,
+    rewrite,
+    start_split,
+)
 from lorafleet.registry.writes import run_transition
 
 
@@ -59,10 +68,7 @@ class CanaryError(PromotionError):
 
 def check_percent(percent: float) -> float:
     """The canary's share, strictly between 0 and 100 (0 is no canary, 100 is a promote)."""
-    if not isinstance(percent, int | float) or math.isnan(percent) or not 0 < percent < 100:
-        raise CanaryError(f"--canary {percent}: the share must be more than 0 and less than 100 (percent of the "
-                          "name's traffic); for all of it, promote without --canary")
-    return float(percent)
+    return check_share(percent, "--canary", "traffic", CanaryError, "; for all of it, promote without --canary")
 
 
 @dataclass(frozen=True)
@@ -130,11 +136,7 @@ def start(name: str, version: str | int | None, percent: float, *, force: bool =
     `percent` % of the name's route keys to it. Refused, changing nothing, for a bad share, a name not served, a
     canary already running or another promote holding the name."""
     check_percent(percent)  # before anything: a bad flag needs neither the registry nor the cluster
-    margin = default_margin() if margin is None else margin
-    if version is None:
-        version = store.alias_version(name, CANDIDATE)
-    info = store.get_version(name, version)
-    _gate_or_refuse(info, store.alias_version(name, CHAMPION), margin, force)
+    info, margin = gated_candidate(name, version, margin, force)
     target = find_fleet(nats_url, fleet_file, creds)
 
     def allowed(state: Agreement) -> None:

@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +35,7 @@ from lorafleet.core.fleet_state import (
 )
 from lorafleet.core.tasks import GateResult
 from lorafleet.nats.client import ClientSettings
-from lorafleet.registry import store
+from lorafleet.registry import store, transition
 from lorafleet.registry.canary import CanaryError
 from lorafleet.registry.promote import (
     Agreement,
@@ -66,10 +65,7 @@ class ShadowError(CanaryError):
 
 def check_share(percent: float) -> float:
     """The mirrored share, strictly between 0 and 100."""
-    if not isinstance(percent, int | float) or math.isnan(percent) or not 0 < percent < 100:
-        raise ShadowError(f"--shadow {percent}: the share must be more than 0 and less than 100 (percent of the "
-                          "name's requests copied to the candidate)")
-    return float(percent)
+    return transition.check_share(percent, "--shadow", "requests copied to the candidate", ShadowError)
 
 
 def check_kind(name: str, version: str, kind: str | None) -> str:
@@ -138,13 +134,10 @@ def start(name: str, version: str | int | None, percent: float, *, force: bool =
     `percent` % of the name's requests to it. Refused, changing nothing, for a bad share, an embedding bundle, a
     name not served, a shadow or canary already running or another promote holding the name."""
     check_share(percent)  # before anything: a bad flag needs neither the registry nor the cluster
-    margin = default_margin() if margin is None else margin
-    if version is None:
-        version = store.alias_version(name, CANDIDATE)
-    info = store.get_version(name, version)
-    _, first = store.bundle_spec(info.name, info.version)
-    check_kind(name, info.version, first.kind)
-    _gate_or_refuse(info, store.alias_version(name, CHAMPION), margin, force)
+    found = store.get_version(name, store.alias_version(name, CANDIDATE) if version is None else version)
+    _, first = store.bundle_spec(found.name, found.version)
+    check_kind(name, found.version, first.kind)  # before the gate: a wrong kind fails whatever its scores
+    info, margin = transition.gated_candidate(name, found.version, margin, force)
     target = find_fleet(nats_url, fleet_file, creds)
 
     def allowed(state: Agreement) -> None:

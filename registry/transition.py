@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,11 +34,13 @@ from lorafleet.registry.promote import (
     _bases,
     _connect,
     _entry,
+    _gate_or_refuse,
     _preload,
     _snapshot,
+    default_margin,
     repaired_history,
 )
-from lorafleet.registry.store import CHAMPION, VersionInfo
+from lorafleet.registry.store import CANDIDATE, CHAMPION, VersionInfo
 from lorafleet.registry.writes import in_thread, reached, write_alias, write_fleet, write_history
 
 
@@ -63,6 +66,26 @@ async def locked(kv: Any, name: str, action: str, error: type[Exception] | None)
         if error is None:
             raise
         raise error(str(exc)) from exc
+
+
+def check_share(percent: float, flag: str, what: str, error: type[Exception], hint: str = "") -> float:
+    """A split's share (`--canary P`, `--shadow P`), strictly between 0 and 100, else `error` naming the flag."""
+    if not isinstance(percent, int | float) or math.isnan(percent) or not 0 < percent < 100:
+        raise error(f"{flag} {percent}: the share must be more than 0 and less than 100 (percent of the name's "
+                    f"{what}){hint}")
+    return float(percent)
+
+
+def gated_candidate(name: str, version: str | int | None, margin: float | None, force: bool
+                    ) -> tuple[VersionInfo, float]:
+    """The version a split starts on (default: the `candidate` alias, else the newest) once it passed promote's
+    gate against today's champion, and the margin that gate used (the one research recorded, by default)."""
+    margin = default_margin() if margin is None else margin
+    if version is None:
+        version = store.alias_version(name, CANDIDATE)
+    info = store.get_version(name, version)
+    _gate_or_refuse(info, store.alias_version(name, CHAMPION), margin, force)
+    return info, margin
 
 
 @dataclass(frozen=True)

@@ -139,21 +139,13 @@ def test_the_benchmark_reports_both_p99_figures(tmp_path: Path) -> None:
 
 def _ce_adapter(out: Path, seed: int) -> Path:
     """A LoRA on the packaged MiniLM cross-encoder with its own head, noise for weights."""
-    import torch
-    from peft import LoraConfig, TaskType
-
     from lorafleet.core.config import PACKAGED_MINILM
     from lorafleet.core.model_source import resolve_model_source
     from lorafleet.sidecar.ce_runtime import load_cross_encoder
+    from lorafleet.testing import add_random_ce_adapter
 
     model = load_cross_encoder(resolve_model_source(PACKAGED_MINILM))
-    model.add_adapter(LoraConfig(task_type=TaskType.SEQ_CLS, r=4, target_modules=["query", "value"],
-                                 modules_to_save=["classifier"]), adapter_name="ce")
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.model.named_parameters():
-            if "lora_B" in name or "modules_to_save" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    add_random_ce_adapter(model, "ce", r=4, seed=seed, scale=0.2)
     model.save_pretrained(str(out))
     return out
 

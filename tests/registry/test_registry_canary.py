@@ -9,11 +9,11 @@ import threading
 from pathlib import Path
 
 import pytest
+from registry_kit import entries, register, write_fleet_file
 from typer.testing import CliRunner
 
 from lorafleet.cli import app
-from lorafleet.core.config import BaseModelSpec, FleetConfig, WorkerConfig
-from lorafleet.core.fleet_state import CanaryInProgress, FleetEntry, ensure_fleet_bucket, read_entries
+from lorafleet.core.fleet_state import CanaryInProgress
 from lorafleet.registry import canary as can
 from lorafleet.registry import promote as prom
 from lorafleet.registry import store
@@ -70,51 +70,32 @@ def test_cli_bad_flags_change_nothing() -> None:
 
 # -- a real nats-server and MLflow -------------------------------------------------------------------
 
-def _register(adapter: Path, base_source: Path, score: float) -> str:
-    return store.register_bundle("legal", adapter, base_source=str(base_source), base_name="tiny",
-                                 metrics={"test_ndcg@10": score, "base_test_ndcg@10": 0.30}).version
-
-
-async def _entries(url: str, create: bool = False) -> dict[str, FleetEntry]:
-    import nats
-
-    nc = await nats.connect(url)
-    try:
-        js = nc.jetstream()
-        kv = await ensure_fleet_bucket(js) if create else await js.key_value("lorafleet_fleet")
-        return await read_entries(kv)
-    finally:
-        await nc.close()
-
 
 @pytest.fixture
 def fleet_file(tmp_path: Path) -> Path:
-    path = tmp_path / "fleet.yaml"
-    path.write_text(FleetConfig(bases=[BaseModelSpec(name="tiny", source="x")],
-                                worker=WorkerConfig(heartbeat_s=0.2)).model_dump_json())
-    return path
+    return write_fleet_file(tmp_path / "fleet.yaml")
 
 
 @pytest.mark.integration
 def test_canary_start_abort_finish_and_what_it_refuses(nats_server, fleet_file: Path, tiny_adapter: Path,
                                                        tiny_model_dir: Path) -> None:
     url = nats_server.url
-    asyncio.run(_entries(url, create=True))
+    asyncio.run(entries(url, create=True))
     for score in (0.40, 0.45, 0.46):
-        _register(tiny_adapter, tiny_model_dir, score)
+        register(tiny_adapter, tiny_model_dir, score)
     kw = {"nats_url": url, "fleet_file": fleet_file}
     with pytest.raises(can.CanaryError, match="not served yet"):
         can.start("legal", "2", 10, **kw)
-    assert asyncio.run(_entries(url)) == {}
+    assert asyncio.run(entries(url)) == {}
     prom.promote("legal", "1", **kw)
     for end in (lambda: can.abort("legal", **kw), lambda: can.finish("legal", **kw)):
         with pytest.raises(can.CanaryError, match="no canary in progress"):
             end()
-    before = asyncio.run(_entries(url))["legal"]
+    before = asyncio.run(entries(url))["legal"]
     assert before.canary is None
 
     out = can.start("legal", "2", 10, **kw)
-    entry = asyncio.run(_entries(url))["legal"]
+    entry = asyncio.run(entries(url))["legal"]
     assert (out.champion, out.canary, entry.version, entry.canary.version, entry.canary.percent) == \
         ("1", "2", "1", "2", 10.0)
     assert store.alias_version("legal", "champion") == "1"  # the champion has not moved
@@ -123,13 +104,13 @@ def test_canary_start_abort_finish_and_what_it_refuses(nats_server, fleet_file: 
         prom.promote("legal", "3", **kw)
     with pytest.raises(can.CanaryError, match="already in progress"):
         can.start("legal", "3", 5, **kw)
-    assert asyncio.run(_entries(url))["legal"] == entry
+    assert asyncio.run(entries(url))["legal"] == entry
     assert store.alias_version("legal", "champion") == "1"
     assert CliRunner().invoke(app, ["promote", "legal", "--version", "3", "--nats-url", url, "--fleet",
                                     str(fleet_file)]).exit_code == 1
 
     out = can.abort("legal", **kw)
-    after = asyncio.run(_entries(url))["legal"]
+    after = asyncio.run(entries(url))["legal"]
     assert out.aborted == "2" and after.canary is None and after.version == "1" and "2" in after.retired
     assert store.alias_version("legal", "champion") == "1"
 
@@ -137,7 +118,7 @@ def test_canary_start_abort_finish_and_what_it_refuses(nats_server, fleet_file: 
                                    "--fleet", str(fleet_file)])
     assert res.exit_code == 0 and "canary v3 takes 20 %" in res.output, res.output
     done = can.finish("legal", **kw)
-    final = asyncio.run(_entries(url))["legal"]
+    final = asyncio.run(entries(url))["legal"]
     assert (done.version, done.previous, final.version, final.canary) == ("3", "1", "3", None)
     assert [r.version for r in final.retained] == ["1"]  # the old champion retained, as a promote does
     assert store.alias_version("legal", "champion") == "3" and store.champion_history("legal") == ["1", "3"]
@@ -147,9 +128,9 @@ def test_canary_start_abort_finish_and_what_it_refuses(nats_server, fleet_file: 
 def test_a_canary_and_a_promote_at_once_one_wins(nats_server, fleet_file: Path, tiny_adapter: Path,
                                                  tiny_model_dir: Path) -> None:
     url = nats_server.url
-    asyncio.run(_entries(url, create=True))
+    asyncio.run(entries(url, create=True))
     for score in (0.40, 0.45, 0.46):
-        _register(tiny_adapter, tiny_model_dir, score)
+        register(tiny_adapter, tiny_model_dir, score)
     prom.promote("legal", "1", nats_url=url, fleet_file=fleet_file)
     finished = [threading.Event(), threading.Event()]
 
@@ -173,7 +154,7 @@ def test_a_canary_and_a_promote_at_once_one_wins(nats_server, fleet_file: Path, 
     results = asyncio.run(both())
     lost = [r for r in results if isinstance(r, BaseException)]
     assert len(lost) == 1 and "another promote of legal is in progress" in str(lost[0]), results
-    entry = asyncio.run(_entries(url))["legal"]
+    entry = asyncio.run(entries(url))["legal"]
     if isinstance(results[0], can.CanaryOutcome):
         assert entry.version == "1" and entry.canary is not None and entry.canary.version == "2"
         assert store.alias_version("legal", "champion") == "1"

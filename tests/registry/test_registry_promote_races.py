@@ -13,10 +13,10 @@ import threading
 from pathlib import Path
 
 import pytest
+from registry_kit import entries, register, write_fleet_file
 from typer.testing import CliRunner
 
 from lorafleet.cli import app
-from lorafleet.core.config import BaseModelSpec, FleetConfig, WorkerConfig
 from lorafleet.core.fleet_state import FleetEntry, ensure_fleet_bucket, read_entries
 from lorafleet.registry import promote as prom
 from lorafleet.registry import store
@@ -27,38 +27,17 @@ pytestmark = pytest.mark.integration
 WAIT_S = 20.0  # upper bound on any awaited event
 
 
-def _register(adapter: Path, base_source: Path, score: float) -> str:
-    return store.register_bundle("legal", adapter, base_source=str(base_source), base_name="tiny",
-                                 metrics={"test_ndcg@10": score, "base_test_ndcg@10": 0.30}).version
-
-
-async def _entries(url: str, create: bool = False) -> dict[str, FleetEntry]:
-    import nats
-
-    nc = await nats.connect(url)
-    try:
-        js = nc.jetstream()
-        kv = await ensure_fleet_bucket(js) if create else await js.key_value("lorafleet_fleet")
-        return await read_entries(kv)
-    finally:
-        await nc.close()
-
-
 @pytest.fixture
 def fleet_file(tmp_path: Path) -> Path:
-    path = tmp_path / "fleet.yaml"
-    # A short heartbeat: each promote listens ~1.5 heartbeats for workers before it switches.
-    path.write_text(FleetConfig(bases=[BaseModelSpec(name="tiny", source="x")],
-                                worker=WorkerConfig(heartbeat_s=0.2)).model_dump_json())
-    return path
+    return write_fleet_file(tmp_path / "fleet.yaml")
 
 
 def test_two_promotes_of_one_name_at_once_one_wins(nats_server, fleet_file: Path, tiny_adapter: Path,
                                                    tiny_model_dir: Path) -> None:
     url = nats_server.url
-    asyncio.run(_entries(url, create=True))
+    asyncio.run(entries(url, create=True))
     for score in (0.40, 0.45, 0.46):
-        _register(tiny_adapter, tiny_model_dir, score)
+        register(tiny_adapter, tiny_model_dir, score)
     prom.promote("legal", "1", nats_url=url, fleet_file=fleet_file)
 
     # Each promote, once past its preload, waits (in its own thread) until the other has finished: if both get
@@ -90,7 +69,7 @@ def test_two_promotes_of_one_name_at_once_one_wins(nats_server, fleet_file: Path
     assert "another promote of legal is in progress" in str(lost[0])
     winner = won[0].version
     assert store.alias_version("legal", "champion") == winner
-    assert asyncio.run(_entries(url))["legal"].version == winner
+    assert asyncio.run(entries(url))["legal"].version == winner
     assert store.champion_history("legal") == ["1", winner]
     # The lock is gone: the loser's version can be promoted now (it passes the gate against either winner).
     if winner == "2":
@@ -101,9 +80,9 @@ def test_two_promotes_of_one_name_at_once_one_wins(nats_server, fleet_file: Path
 def test_a_crash_between_alias_and_fleet_state_is_repaired(nats_server, fleet_file: Path, tiny_adapter: Path,
                                                            tiny_model_dir: Path) -> None:
     url = nats_server.url
-    asyncio.run(_entries(url, create=True))
+    asyncio.run(entries(url, create=True))
     for score in (0.40, 0.45, 0.46):
-        _register(tiny_adapter, tiny_model_dir, score)
+        register(tiny_adapter, tiny_model_dir, score)
     no_preload = prom.Preload(enabled=False)
     prom.promote("legal", "1", nats_url=url, fleet_file=fleet_file, preload=no_preload)
 
@@ -111,11 +90,11 @@ def test_a_crash_between_alias_and_fleet_state_is_repaired(nats_server, fleet_fi
     with interrupted_after("alias", kill=True), pytest.raises(Killed):
         prom.promote("legal", "2", nats_url=url, fleet_file=fleet_file, preload=no_preload)
     assert store.alias_version("legal", "champion") == "2"
-    assert asyncio.run(_entries(url))["legal"].version == "1"  # the disagreement the crash left
+    assert asyncio.run(entries(url))["legal"].version == "1"  # the disagreement the crash left
 
     found = prom.check("legal", nats_url=url, fleet_file=fleet_file)
     assert not found.agrees and (found.champion, found.served) == ("2", "1"), found
-    assert asyncio.run(_entries(url))["legal"].version == "1", "check alone changes nothing"
+    assert asyncio.run(entries(url))["legal"].version == "1", "check alone changes nothing"
     cli = ["registry", "check", "legal", "--nats-url", url, "--fleet", str(fleet_file)]
     said = CliRunner().invoke(app, cli)
     assert said.exit_code == 1 and "disagree (champion v2, fleet serves v1" in said.output, said.output
@@ -123,7 +102,7 @@ def test_a_crash_between_alias_and_fleet_state_is_repaired(nats_server, fleet_fi
     assert said.exit_code == 0 and "legal: repaired; now champion v2, fleet serves v2" in said.output, said.output
     repaired = prom.check("legal", nats_url=url, fleet_file=fleet_file)
     assert repaired.agrees and not repaired.repaired, repaired
-    assert asyncio.run(_entries(url))["legal"].version == "2"
+    assert asyncio.run(entries(url))["legal"].version == "2"
     assert store.champion_history("legal") == ["1", "2"]
 
     # The same crash again; this time the next promote repairs it on its own before it goes on.
@@ -133,7 +112,7 @@ def test_a_crash_between_alias_and_fleet_state_is_repaired(nats_server, fleet_fi
     assert out.repaired, "the rollback says it repaired the fleet state first"
     assert (out.previous, out.version) == ("3", "2")
     assert store.alias_version("legal", "champion") == "2"
-    assert asyncio.run(_entries(url))["legal"].version == "2"
+    assert asyncio.run(entries(url))["legal"].version == "2"
     assert store.champion_history("legal") == ["1", "2"]
 
 
@@ -141,9 +120,9 @@ def test_a_change_during_the_preload_stops_the_promote(nats_server, fleet_file: 
                                                        tiny_model_dir: Path) -> None:
     """The state is read again after the preload: an entry written meanwhile (by hand, say) is not overwritten."""
     url = nats_server.url
-    asyncio.run(_entries(url, create=True))
+    asyncio.run(entries(url, create=True))
     for score in (0.40, 0.45):
-        _register(tiny_adapter, tiny_model_dir, score)
+        register(tiny_adapter, tiny_model_dir, score)
     prom.promote("legal", "1", nats_url=url, fleet_file=fleet_file, preload=prom.Preload(enabled=False))
 
     async def write_by_hand() -> None:
@@ -167,7 +146,7 @@ def test_a_change_during_the_preload_stops_the_promote(nats_server, fleet_file: 
         prom.promote("legal", "2", nats_url=url, fleet_file=fleet_file, preload=prom.Preload(progress=progress))
     assert store.alias_version("legal", "champion") == "1"
     assert store.champion_history("legal") == ["1"]
-    entry = asyncio.run(_entries(url))["legal"]
+    entry = asyncio.run(entries(url))["legal"]
     assert (entry.version, entry.action) == ("1", "set")
 
 

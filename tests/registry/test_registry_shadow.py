@@ -11,6 +11,7 @@ import itertools
 from pathlib import Path
 
 import pytest
+from registry_kit import entries, write_fleet_file
 from typer.testing import CliRunner
 
 from lorafleet.cli import app
@@ -23,8 +24,7 @@ from lorafleet.core.agreement import (
     rank_overlap,
     summed,
 )
-from lorafleet.core.config import BaseModelSpec, FleetConfig, WorkerConfig
-from lorafleet.core.fleet_state import CanaryInProgress, FleetEntry, ShadowSpec, ensure_fleet_bucket, read_entries
+from lorafleet.core.fleet_state import CanaryInProgress, FleetEntry, ShadowSpec
 from lorafleet.core.heartbeats import STATS_BUCKETS, GatewayStats, VersionCounts, bucket_index
 from lorafleet.registry import canary as can
 from lorafleet.registry import promote as prom
@@ -249,24 +249,10 @@ def test_cli_bad_flags_change_nothing() -> None:
 
 # -- a real nats-server and MLflow -------------------------------------------------------------------------------
 
-async def _entries(url: str, create: bool = False) -> dict[str, FleetEntry]:
-    import nats
-
-    nc = await nats.connect(url)
-    try:
-        js = nc.jetstream()
-        kv = await ensure_fleet_bucket(js) if create else await js.key_value("lorafleet_fleet")
-        return await read_entries(kv)
-    finally:
-        await nc.close()
-
 
 @pytest.fixture
 def fleet_file(tmp_path: Path) -> Path:
-    path = tmp_path / "fleet.yaml"
-    path.write_text(FleetConfig(bases=[BaseModelSpec(name="tiny", source="x")],
-                                worker=WorkerConfig(heartbeat_s=0.2)).model_dump_json())
-    return path
+    return write_fleet_file(tmp_path / "fleet.yaml")
 
 
 def _register(name: str, adapter: Path, base_source: Path, score: float, kind: str) -> str:
@@ -278,7 +264,7 @@ def _register(name: str, adapter: Path, base_source: Path, score: float, kind: s
 def test_shadow_start_abort_finish_and_what_it_refuses(nats_server, fleet_file: Path, tiny_adapter: Path,
                                                        tiny_model_dir: Path) -> None:
     url = nats_server.url
-    asyncio.run(_entries(url, create=True))
+    asyncio.run(entries(url, create=True))
     for score in (0.40, 0.45, 0.46):
         _register("rr", tiny_adapter, tiny_model_dir, score, "cross-encoder")
     _register("emb", tiny_adapter, tiny_model_dir, 0.40, "sentence-transformers")
@@ -289,7 +275,7 @@ def test_shadow_start_abort_finish_and_what_it_refuses(nats_server, fleet_file: 
     prom.promote("emb", "1", **kw)
     res = runner.invoke(app, ["promote", "emb", "--version", "2", "--shadow", "50", *cli])
     assert res.exit_code == 1 and "generative and rerank models only" in res.output, res.output
-    assert asyncio.run(_entries(url))["emb"].shadow is None
+    assert asyncio.run(entries(url))["emb"].shadow is None
     with pytest.raises(sh.ShadowError, match="not served yet"):
         sh.start("rr", "2", 50, **kw)
     prom.promote("rr", "1", **kw)
@@ -300,7 +286,7 @@ def test_shadow_start_abort_finish_and_what_it_refuses(nats_server, fleet_file: 
 
     res = runner.invoke(app, ["promote", "rr", "--version", "2", "--shadow", "50", *cli])
     assert res.exit_code == 0 and "shadow v2 gets copies of 50 %" in res.output, res.output
-    entry = asyncio.run(_entries(url))["rr"]
+    entry = asyncio.run(entries(url))["rr"]
     assert (entry.version, entry.shadow.version, entry.shadow.percent, entry.canary) == ("1", "2", 50.0, None)
     # While it runs: a promote, a second shadow and a canary are refused, nothing changed.
     with pytest.raises(CanaryInProgress, match="shadow of rr is in progress"):
@@ -309,10 +295,10 @@ def test_shadow_start_abort_finish_and_what_it_refuses(nats_server, fleet_file: 
         sh.start("rr", "3", 10, **kw)
     with pytest.raises(can.CanaryError, match="shadow of rr is in progress"):
         can.start("rr", "3", 10, **kw)
-    assert asyncio.run(_entries(url))["rr"] == entry
+    assert asyncio.run(entries(url))["rr"] == entry
 
     out = sh.abort("rr", listen_s=0.2, **kw)  # no gateway: empty figures, logged all the same
-    after = asyncio.run(_entries(url))["rr"]
+    after = asyncio.run(entries(url))["rr"]
     assert out.shadow is None and after.shadow is None and after.version == "1" and "2" not in after.retired
     assert store.alias_version("rr", "champion") == "1"
     run = store.client().get_run(store.client().get_model_version("rr", "2").run_id)
@@ -320,7 +306,7 @@ def test_shadow_start_abort_finish_and_what_it_refuses(nats_server, fleet_file: 
 
     sh.start("rr", "3", 25, **kw)
     done, _figures, run_id = sh.finish("rr", listen_s=0.2, **kw)
-    final = asyncio.run(_entries(url))["rr"]
+    final = asyncio.run(entries(url))["rr"]
     assert (done.version, done.previous, final.version, final.shadow) == ("3", "1", "3", None)
     assert [r.version for r in final.retained] == ["1"] and run_id is not None
     assert store.alias_version("rr", "champion") == "3"
@@ -331,7 +317,7 @@ def test_shadow_start_abort_finish_and_what_it_refuses(nats_server, fleet_file: 
 def test_check_repair_drops_a_split_whose_candidate_is_gone(nats_server, fleet_file: Path, tiny_adapter: Path,
                                                            tiny_model_dir: Path, split: str) -> None:
     url = nats_server.url
-    asyncio.run(_entries(url, create=True))
+    asyncio.run(entries(url, create=True))
     for score in (0.40, 0.45):
         _register("rr", tiny_adapter, tiny_model_dir, score, "cross-encoder")
     kw = {"nats_url": url, "fleet_file": fleet_file}
@@ -341,10 +327,10 @@ def test_check_repair_drops_a_split_whose_candidate_is_gone(nats_server, fleet_f
     cli = ["registry", "check", "rr", "--nats-url", url, "--fleet", str(fleet_file)]
     res = CliRunner().invoke(app, cli)
     assert res.exit_code == 1 and "no longer in the registry" in res.output, res.output
-    assert getattr(asyncio.run(_entries(url))["rr"], split) is not None  # without --repair, nothing changes
+    assert getattr(asyncio.run(entries(url))["rr"], split) is not None  # without --repair, nothing changes
     res = CliRunner().invoke(app, [*cli, "--repair"])
     assert res.exit_code == 0 and "dropped the canary/shadow" in res.output, res.output
-    entry = asyncio.run(_entries(url))["rr"]
+    entry = asyncio.run(entries(url))["rr"]
     assert entry.shadow is None and entry.canary is None and entry.version == "1"
 
 

@@ -39,21 +39,13 @@ DOCS = ["The buyer must pay the purchase price.", "Cats sleep most of the day.",
 @pytest.fixture(scope="module")
 def adapter_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A LoRA on the MiniLM cross-encoder that saves its own head (modules_to_save), noise for weights."""
-    import torch
-    from peft import LoraConfig, TaskType
-
     from lorafleet.core.model_source import resolve_model_source
     from lorafleet.sidecar.ce_runtime import load_cross_encoder
+    from lorafleet.testing import add_random_ce_adapter
 
     out = tmp_path_factory.mktemp("ce-adapter") / "ce-a"
     model = load_cross_encoder(resolve_model_source(PACKAGED_MINILM))
-    model.add_adapter(LoraConfig(task_type=TaskType.SEQ_CLS, r=4, target_modules=["query", "value"],
-                                 modules_to_save=["classifier"]), adapter_name="ce-a")
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, p in model.model.named_parameters():
-            if "lora_B" in name or "modules_to_save" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    add_random_ce_adapter(model, "ce-a", r=4, seed=7, scale=0.2)
     model.save_pretrained(str(out))
     return out
 

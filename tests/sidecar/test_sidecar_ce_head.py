@@ -29,19 +29,12 @@ DOCS = ("Der Käufer ist verpflichtet, den Kaufpreis zu zahlen.", "kurz")
 @pytest.fixture(scope="module")
 def made(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The tiny BERT saved as a CrossEncoder (its seeded head in the checkpoint), and an adapter with its head."""
-    import torch
-    from peft import LoraConfig, TaskType
+    from lorafleet.testing import add_random_ce_adapter
 
     out = tmp_path_factory.mktemp("ce-head")
     model = load_cross_encoder(str(tiny_model_dir))
     model.save_pretrained(str(out / "with-head"))
-    model.add_adapter(LoraConfig(task_type=TaskType.SEQ_CLS, r=2, target_modules=["query", "value"],
-                                 modules_to_save=["classifier"]), adapter_name="spec")
-    gen = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for name, p in model.model.named_parameters():
-            if "lora_B" in name or "modules_to_save" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    add_random_ce_adapter(model, "spec", r=2, seed=5, scale=0.5)
     model.save_pretrained(str(out / "spec"))
     return {"with-head": out / "with-head", "spec": out / "spec"}
 

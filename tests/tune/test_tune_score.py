@@ -19,19 +19,11 @@ from lorafleet.tune.source import from_adapter_dir
 
 def _ce_adapter(base: Path, out: Path) -> Path:
     """A SEQ_CLS LoRA of the tiny BERT as a cross-encoder, its classifier head saved with it (what `rerank` trains)."""
-    import torch
-    from peft import LoraConfig, TaskType
-
     from lorafleet.sidecar.ce_runtime import load_cross_encoder
+    from lorafleet.testing import add_random_ce_adapter
 
     model = load_cross_encoder(str(base))
-    model.add_adapter(LoraConfig(task_type=TaskType.SEQ_CLS, r=4, target_modules=["query", "value"],
-                                 modules_to_save=["classifier"]), adapter_name="tiny-ce")
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, p in model.model.named_parameters():
-            if "lora_B" in name or "modules_to_save" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    add_random_ce_adapter(model, "tiny-ce", r=4, seed=3, scale=0.1)
     model.save_pretrained(str(out))
     return out
 
