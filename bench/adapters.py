@@ -32,16 +32,8 @@ from lorafleet.bench import adapters_build as build
 from lorafleet.bench.adapters_load import Bench, fleet_for
 from lorafleet.bench.adapters_report import FEATURES, print_summary, summarise
 from lorafleet.bench.adapters_scale import run_scale
-from lorafleet.bench.common import (
-    RESULTS_DIR,
-    exit_on_sigterm,
-    german_sentences,
-    loadavg,
-    machine_info,
-    say,
-    stamp,
-    write_json,
-)
+from lorafleet.bench.common import RESULTS_DIR, finish, german_sentences, machine_info, parser, run_head, say
+from lorafleet.bench.processes import exit_on_sigterm
 from lorafleet.core.config import MIB, PACKAGED_MINILM, QueueConfig, ServingProfile
 
 MODES = ("ceiling", "before", "today", "mixed")
@@ -175,8 +167,7 @@ async def _scale(bench: Bench, args: argparse.Namespace, base_profile: dict[str,
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m lorafleet.bench.adapters", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser("adapters", __doc__)
     p.add_argument("--quick", action="store_true", help="N=1 and 64, three rates, 1.5 s points, 100 adapters in the "
                    "scale phase, no second worker (under 4 minutes).")
     p.add_argument("--slo-ms", type=float, default=250.0, help="p99 objective of every cell (default 250 ms).")
@@ -272,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             cluster.stop()
     result: dict[str, Any] = {
-        "benchmark": "adapters", "when": stamp(), "quick": q, "machine": {**info, "loadavg_end": loadavg()},
+        **run_head("adapters", q, info),
         "setup": {"model": args.model, "adapters": build.describe(paths[0]), "adapter_cache": args.adapter_cache,
                   "adapters_built_s": round(built_s, 1), "slo_p99_ms": args.slo_ms, "base_profile": base_profile,
                   "profile_fields_present": sorted(features), "torch_threads_per_worker": args.threads,
@@ -286,10 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     result["summary"] = summarise(result)
     result["wall_s"] = round(time.monotonic() - t0, 1)
-    write_json(args.out, result)
-    print_summary(result)
-    print(f"\nwrote {args.out} ({result['wall_s']:.0f}s)")
-    return 0
+    return finish(args.out, result, print_summary)
 
 
 if __name__ == "__main__":

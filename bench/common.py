@@ -1,21 +1,43 @@
-"""Shared helpers of the benchmarks: inputs, machine description, JSON output, process control."""
+"""Shared helpers of the benchmarks: inputs, machine description, command line, JSON output (process control:
+bench/processes.py, re-exported here)."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
 import platform
 import random
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from lorafleet.bench.processes import exit_on_sigterm as exit_on_sigterm
+from lorafleet.bench.processes import spawn as spawn
+from lorafleet.bench.processes import stop_all as stop_all
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO / "bench" / "results"
+
+
+@dataclass
+class Endpoint:
+    """A contender's HTTP route: what the load generator and the correctness check call."""
+
+    name: str
+    host: str
+    port: int
+    path: str
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}{self.path}"
 
 
 def german_sentences(n: int, seed: int = 0, min_words: int = 5, max_words: int = 20) -> list[str]:
@@ -76,6 +98,25 @@ def stamp() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S%z")
 
 
+def parser(name: str, doc: str | None) -> argparse.ArgumentParser:
+    """A benchmark's command line: `python -m lorafleet.bench.NAME`, its docstring's first paragraph as description."""
+    return argparse.ArgumentParser(prog=f"python -m lorafleet.bench.{name}", description=(doc or "").split("\n\n")[0],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def run_head(benchmark: str, quick: bool, info: dict[str, Any]) -> dict[str, Any]:
+    """The keys every result file opens with: which benchmark, when, how quick, the machine and its load at the end."""
+    return {"benchmark": benchmark, "when": stamp(), "quick": quick, "machine": {**info, "loadavg_end": loadavg()}}
+
+
+def finish(out: Path, result: dict[str, Any], print_table: Callable[[dict[str, Any]], None]) -> int:
+    """Write the result file, print its table and where it went (with `wall_s`); the exit code 0."""
+    write_json(out, result)
+    print_table(result)
+    print(f"\nwrote {out} ({result['wall_s']:.0f}s)")
+    return 0
+
+
 def say(text: str) -> None:
     import sys
 
@@ -84,57 +125,6 @@ def say(text: str) -> None:
 
 def fmt(v: float | None, nd: int = 1) -> str:
     return "-" if v is None else f"{v:.{nd}f}"
-
-
-def _die_with_parent() -> None:
-    """preexec_fn: own session (so stopping it stops its children), and SIGTERM when the benchmark dies.
-
-    A benchmark killed mid-run (a CI timeout) must not leave workers behind.
-    """
-    import ctypes
-    import signal
-
-    os.setsid()
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def spawn(argv: list[str], log: Path, env: dict[str, str] | None = None) -> Any:
-    """Start a child in its own session that is terminated if this process dies; output to `log`."""
-    import subprocess
-
-    with open(log, "ab") as fh:
-        return subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env={**os.environ, **(env or {})}, preexec_fn=_die_with_parent)
-
-
-def stop_all(procs: list[Any], timeout: float = 5.0) -> None:
-    """SIGTERM every process group at once, SIGKILL whatever still runs after `timeout` seconds."""
-    import signal
-
-    for p in procs:
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
-        time.sleep(0.05)
-    for p in procs:
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-        with contextlib.suppress(Exception):
-            p.wait(timeout=5)
-
-
-def exit_on_sigterm() -> None:
-    """Turn SIGTERM into SystemExit, so that `finally` blocks stop every server the benchmark started."""
-    import signal
-
-    def handler(signum: int, frame: object) -> None:
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, handler)
 
 
 def run_in_vllm_venv(venv: Path, work: Path, script: str, spec: dict[str, Any], *, timeout: float) -> Any:

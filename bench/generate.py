@@ -39,17 +39,17 @@ import orjson
 
 from lorafleet.bench.common import (
     RESULTS_DIR,
-    exit_on_sigterm,
+    Endpoint,
     fmt,
     german_sentences,
     loadavg,
     machine_info,
+    parser,
     say,
-    spawn,
     stamp,
-    stop_all,
     write_json,
 )
+from lorafleet.bench.processes import exit_on_sigterm, spawn, stop_all
 from lorafleet.tune.streamload import StreamResult, stream_closed_loop
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -60,11 +60,7 @@ ENGINE = {"max_model_len": 2048, "max_num_seqs": 32, "max_loras": 2, "max_lora_r
 
 
 @dataclass
-class Contender:
-    name: str
-    host: str
-    port: int
-    path: str
+class Contender(Endpoint):
     models: list[str]  # the adapter mix: base, adapter a, adapter b
     parts: dict[str, int] = field(default_factory=dict)  # part → pid (CPU sampling)
     started_s: float = 0.0
@@ -163,7 +159,7 @@ def body_for(c: Contender, texts: list[str], max_tokens: int) -> Any:
 
 
 def answer(c: Contender, model: str, text: str, max_tokens: int) -> str:
-    r = httpx.post(f"http://{c.host}:{c.port}{c.path}", timeout=300, json={
+    r = httpx.post(c.url, timeout=300, json={
         "model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "temperature": 0})
     r.raise_for_status()
     return r.json()["choices"][0]["message"]["content"]
@@ -268,8 +264,7 @@ def median_of(points: list[dict[str, Any]], key: str) -> float | None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m lorafleet.bench.generate", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser("generate", __doc__)
     p.add_argument("--quick", action="store_true", help="Short points, one round (a smoke run).")
     p.add_argument("--contenders", default=None, help=f"Comma-separated, of {', '.join(ALL)} (default: all).")
     p.add_argument("--concurrency", type=int, action="append", help="Repeatable (default 1, 8, 32).")

@@ -51,7 +51,7 @@ def _run_async(coro: Any) -> Any:
 def _bodies(model: str | list[str], documents: int, n: int, seed: int) -> list[bytes]:
     """JSON bodies of /v1/rerank: statute sentences as documents, a sentence's first words as the query; a list of
     models is cycled through, request i to model i mod len."""
-    from lorafleet.tune.score import rerank_bodies
+    from lorafleet.tune.kinds.rerank.load import rerank_bodies
 
     texts = german_sentences(400, seed=seed)
     names = [model] if isinstance(model, str) else model
@@ -92,8 +92,8 @@ def _cluster(cfg: FleetConfig, home: Path, threads: int | None) -> Any:
 
 
 def _closed(url: str, bodies: list[bytes], concurrency: int, duration_s: float) -> Any:
+    from lorafleet.tune.kinds.rerank.load import rerank_target
     from lorafleet.tune.loadgen import closed_loop
-    from lorafleet.tune.score import rerank_target
 
     return _run_async(closed_loop(rerank_target(url, bodies), concurrency, duration_s))
 

@@ -49,19 +49,8 @@ from typing import Any
 import nats
 import yaml
 
-from lorafleet.bench.common import (
-    RESULTS_DIR,
-    exit_on_sigterm,
-    fmt,
-    german_sentences,
-    loadavg,
-    machine_info,
-    say,
-    spawn,
-    stamp,
-    stop_all,
-    write_json,
-)
+from lorafleet.bench.common import RESULTS_DIR, finish, fmt, german_sentences, machine_info, parser, run_head, say
+from lorafleet.bench.processes import exit_on_sigterm, spawn, stop_all
 from lorafleet.bench.synth_worker import SLOWDOWN_ENV, model_of
 from lorafleet.core import heartbeats
 from lorafleet.core.config import BaseModelSpec, FleetConfig, QueueConfig, ServingProfile, WorkerConfig
@@ -581,8 +570,7 @@ def print_table(result: dict[str, Any]) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m lorafleet.bench.routing", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser("routing", __doc__)
     p.add_argument("--quick", action="store_true", help="equal and slow scenarios, two rates + overload, 1 s points.")
     p.add_argument("--scenarios", default=None, help="Comma-separated: equal,slow,models,bursts,minilm,replicated "
                    "(default all; --quick: equal,slow).")
@@ -651,7 +639,7 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
     ok = {n: r for n, r in results.items() if "error" not in r and n != REPLICATED}  # pull vs push only
     result = {
-        "benchmark": "routing", "when": stamp(), "quick": args.quick, "machine": {**info, "loadavg_end": loadavg()},
+        **run_head("routing", args.quick, info),
         "setup": {"profile": profile.model_dump(), "max_batch_ms": budget, "queue_storage": queue.storage,
                   "point_s": duration,
                   "push_algorithm": ALGORITHMS[args.push_algorithm],
@@ -661,10 +649,7 @@ def main(argv: list[str] | None = None) -> int:
         "targets": targets(ok) if ok else {},
         "wall_s": round(time.monotonic() - t0, 1),
     }
-    write_json(args.out, result)
-    print_table(result)
-    print(f"\nwrote {args.out} ({result['wall_s']:.0f}s)")
-    return 0
+    return finish(args.out, result, print_table)
 
 
 if __name__ == "__main__":

@@ -55,17 +55,17 @@ import orjson
 
 from lorafleet.bench.common import (
     RESULTS_DIR,
-    exit_on_sigterm,
+    Endpoint,
+    finish,
     fmt,
     german_sentences,
     loadavg,
     machine_info,
+    parser,
+    run_head,
     say,
-    spawn,
-    stamp,
-    stop_all,
-    write_json,
 )
+from lorafleet.bench.processes import exit_on_sigterm, spawn, stop_all
 from lorafleet.bench.serve_report import print_table, summarise
 from lorafleet.tune.loadgen import LoadResult, Target, closed_loop
 
@@ -159,11 +159,7 @@ def _native_reduced() -> frozenset[str]:
 # -- contenders ---------------------------------------------------------------------------------
 
 @dataclass
-class Contender:
-    name: str
-    host: str
-    port: int
-    path: str
+class Contender(Endpoint):
     content_type: str
     body: Callable[[str], bytes]
     vectors: Callable[[bytes], np.ndarray]
@@ -179,7 +175,7 @@ class Contender:
         rows = []
         with httpx.Client(timeout=60) as client:
             for t in texts:
-                r = client.post(f"http://{self.host}:{self.port}{self.path}", content=self.body(t),
+                r = client.post(self.url, content=self.body(t),
                                 headers={"Content-Type": self.content_type})
                 if r.status_code != 200:
                     raise RuntimeError(f"{self.name}: HTTP {r.status_code}: {r.text[:300]}")
@@ -528,8 +524,7 @@ def run_user_path(work: Path, routes: list[str], threads: int | None, model: Any
 # -- main ---------------------------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m lorafleet.bench.serve", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser("serve", __doc__)
     p.add_argument("--quick", action="store_true", help="Short points at c=1 and 8 (~1 min).")
     p.add_argument("--contenders", default=None,
                    help=f"Comma-separated subset of {','.join(ALL_CONTENDERS)} "
@@ -696,7 +691,7 @@ def main(argv: list[str] | None = None) -> int:
     raw_end = measure_raw(model, texts, [raw_start["best_batch"]], raw_s)
     ceiling_end = {p: measure_ceiling(model, ceil_texts, [c["best_batch"]], raw_s, p) for p, c in ceiling_start.items()}
     result: dict[str, Any] = {
-        "benchmark": "serve", "when": stamp(), "quick": quick, "machine": {**info, "loadavg_end": loadavg()},
+        **run_head("serve", quick, info),
         "device": args.device,
         "model": MODEL_NAME, "torch_threads": torch.get_num_threads(),
         "threads_note": ("raw encode at torch's default threads; the user's path as `lorafleet up` plans them"
@@ -717,10 +712,7 @@ def main(argv: list[str] | None = None) -> int:
                                   ceiling_per_cpu_s={p: c["best_per_cpu_s"] for p, c in ceiling_start.items()
                                                      if c.get("best_per_cpu_s")})
     result["wall_s"] = round(time.monotonic() - t_start, 1)
-    write_json(args.out, result)
-    print_table(result)
-    print(f"\nwrote {args.out} ({result['wall_s']:.0f}s)")
-    return 0
+    return finish(args.out, result, print_table)
 
 
 if __name__ == "__main__":

@@ -35,15 +35,16 @@ BASE = "tiny-llama"
 PROMPTS = ["The quick brown fox", "Workers pull tasks from the queue", "Kündigung der Wohnung", "Ein Satz"]
 
 
-def build_models(root: Path) -> dict[str, Path]:
-    """The tiny random Llama (special tokens muted: greedy output never stops early) and two LoRAs."""
+def build_models(root: Path, max_positions: int = 512) -> dict[str, Path]:
+    """The tiny random Llama (special tokens muted: greedy output never stops early) and LoRAs "a", "b" on q/v
+    (the generative serving tests build theirs here too)."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     from lorafleet.testing import build_tiny_llama
 
-    base = build_tiny_llama(root / "base", mute_special_tokens=True, max_positions=512)
+    base = build_tiny_llama(root / "base", mute_special_tokens=True, max_positions=max_positions)
     paths = {"base": base}
     for seed, name in enumerate(("a", "b"), 1):
         torch.manual_seed(seed)

@@ -33,7 +33,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lorafleet.bench.common import RESULTS_DIR, exit_on_sigterm, fmt, loadavg, machine_info, say, stamp, write_json
+from lorafleet.bench.common import (
+    RESULTS_DIR,
+    finish,
+    fmt,
+    loadavg,
+    machine_info,
+    parser,
+    run_head,
+    say,
+    stamp,
+    write_json,
+)
+from lorafleet.bench.processes import exit_on_sigterm
 
 ARMS = ("base", "lora", "full")
 FULL_LR = 5e-5  # full fine-tuning moves every weight: an order of magnitude below LoRA's default
@@ -192,8 +204,7 @@ def print_table(result: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m lorafleet.bench.train", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser("train", __doc__)
     p.add_argument("--quick", action="store_true", help="Two small laws, 1 epoch, short sequences (under a minute).")
     p.add_argument("--epochs", type=int, default=None, help="Epochs per arm (default 2; quick 1).")
     p.add_argument("--budget-s", type=float, default=None, help="Training time budget per arm (default 150; quick 30).")
@@ -268,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
             ratios["lora − base test nDCG@10"] = round(lo["test_ndcg@10"] - results["base"]["test_ndcg@10"], 4)
             ratios["full − base test nDCG@10"] = round(fu["test_ndcg@10"] - results["base"]["test_ndcg@10"], 4)
     result = {
-        "benchmark": "train", "when": stamp(), "quick": args.quick, "machine": {**info, "loadavg_end": loadavg()},
+        **run_head("train", args.quick, info),
         "setup": {"torch_threads": threads, "base_model": cfg.base_model, "laws": cfg.data.laws,
                   "hard_negatives": False, "epochs": epochs,
                   "time_budget_s_per_arm": budget_s, "batch_size": cfg.batch_size,
@@ -277,9 +288,7 @@ def main(argv: list[str] | None = None) -> int:
                   "full_learning_rate": FULL_LR, "seed": cfg.seed},
         "arms": results, "ratios": ratios, "wall_s": round(time.monotonic() - t0, 1),
     }
-    write_json(args.out, result)
-    print_table(result)
-    print(f"\nwrote {args.out} ({result['wall_s']:.0f}s)")
+    finish(args.out, result, print_table)
     return 0 if all("error" not in r for r in results.values()) else 1
 
 

@@ -30,19 +30,13 @@ __all__ = sorted(_STORE | _BUNDLE | _PROMOTE | {"resolve_models_uri"})
 
 def __getattr__(name: str) -> Any:
     if name in _STORE:
-        from lorafleet.registry import store
-
-        return getattr(store, name)
-    if name in _BUNDLE:
-        from lorafleet.registry import bundle
-
-        return getattr(bundle, name)
-    if name in _PROMOTE:
-        import lorafleet.registry.promote as promotion
-
-        return getattr(promotion, name)
-    if name == "resolve_models_uri":
-        from lorafleet.registry.uri import resolve_models_uri
-
-        return resolve_models_uri
-    raise AttributeError(name)
+        from lorafleet.registry import store as home
+    elif name in _BUNDLE:
+        from lorafleet.registry import bundle as home
+    elif name in _PROMOTE:
+        from lorafleet.registry import promote as home
+    elif name == "resolve_models_uri":
+        from lorafleet.registry import uri as home
+    else:
+        raise AttributeError(name)
+    return getattr(home, name)

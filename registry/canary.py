@@ -15,7 +15,6 @@ the aborted version never becomes champion by a later repair (issue 38).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 from collections.abc import Callable
@@ -23,42 +22,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lorafleet.core.fleet_state import (
-    FleetEntry,
-    Retention,
-    canary_in_progress,
-    canary_spec,
-    open_fleet_bucket,
-    read_entries,
-)
+from lorafleet.core.fleet_state import FleetEntry, Retention, canary_in_progress, canary_spec, read_entries
 from lorafleet.core.tasks import GateResult
 from lorafleet.nats.client import ClientSettings
-from lorafleet.registry import store
-from lorafleet.registry.lock import LockBusy
-from lorafleet.registry.promote import (
-    Agreement,
-    Outcome,
-    Preload,
-    PromotionError,
-    _connect,
-    _gate_or_refuse,
-    _switch,
-    _with_retention,
-    default_margin,
-    find_fleet,
-)
-from lorafleet.registry.store import VersionInfo
-from lorafleet.registry.transition import (
-    Change,
-    Split,
-    check_share,
-    connected,
-    finished_by_repair,
-    gated_candidate,
-    locked,
-    rewrite,
-    start_split,
-)
+from lorafleet.registry.consistency import Agreement
+from lorafleet.registry.fleet_target import find_fleet, open_fleet, target_retention
+from lorafleet.registry.gate import PromotionError, gated_candidate
+from lorafleet.registry.lock import LockBusy, locked
+from lorafleet.registry.promote import Outcome
+from lorafleet.registry.staging import Preload
+from lorafleet.registry.transition import Change, Split, check_share, finish_split, rewrite, start_split
 from lorafleet.registry.writes import run_transition
 
 
@@ -125,10 +98,6 @@ class CanaryOutcome:
     aborted: str | None = None  # the version --abort took out
 
 
-def _history(state: Agreement, version: str) -> tuple[str, ...]:
-    return state.history if state.history[-1:] == (version,) else (*state.history, version)
-
-
 def start(name: str, version: str | int | None, percent: float, *, force: bool = False, margin: float | None = None,
           nats_url: str | None = None, fleet_file: Path | None = None, creds: Path | None = None,
           preload: Preload | None = None) -> CanaryOutcome:
@@ -147,9 +116,8 @@ def start(name: str, version: str | int | None, percent: float, *, force: bool =
     def place(live: FleetEntry, candidate: FleetEntry) -> FleetEntry:
         return live.model_copy(update={"canary": canary_spec(candidate, percent)})
 
-    entry, gate = run_transition(start_split(
-        target, name, info, Split("canary", CanaryError, allowed, place),
-        lambda champion: _gate_or_refuse(info, champion, margin, force), preload or Preload()))
+    entry, gate = start_split(target, name, info, Split("canary", CanaryError, allowed, place), margin=margin,
+                              force=force, preload=preload)
     return CanaryOutcome(name, entry.version, info.version, percent, entry, gate, target.nats_url)
 
 
@@ -160,23 +128,17 @@ def finish(name: str, *, force: bool = False, margin: float | None = None, nats_
     """The canary becomes champion through promote's path (gate against the champion as it is then, preload,
     compare-and-set, the old champion retained as NAME@N); the entry it writes has no canary. A finish that died
     after moving the alias is completed by the repair this one starts with: then it is done as it stands."""
-    margin = default_margin() if margin is None else margin
-    target = _with_retention(find_fleet(nats_url, fleet_file, creds), retention, retention_changes)
+    target = target_retention(find_fleet(nats_url, fleet_file, creds), retention, retention_changes)
 
-    def decide(state: Agreement) -> tuple[VersionInfo, tuple[str, ...], GateResult | None]:
-        if state.champion is not None and (expect is None or expect == state.champion) and \
-                finished_by_repair(state, state.champion):
-            return store.get_version(name, state.champion), _history(state, state.champion), None
+    def pick(state: Agreement) -> str:
         before = CanaryState.of(name, state.entry)
         _expect(before, expect)
         after = before.finish()
         assert after.champion is not None
-        info = store.get_version(name, after.champion)
-        return info, _history(state, info.version), _gate_or_refuse(info, state.champion, margin, force)
+        return after.champion
 
-    done = run_transition(_switch(target, name, "promote", decide, preload or Preload()))
-    return Outcome(name, done.entry.version, done.previous, "promote", done.entry, done.gate, target.nats_url,
-                   done.preload, done.repaired, done.precision)
+    return finish_split(target, name, pick, lambda state: expect if expect is not None else state.champion,
+                        margin=margin, force=force, preload=preload)
 
 
 def _expect(state: CanaryState, version: str | None) -> None:
@@ -217,7 +179,7 @@ def abort(name: str, *, nats_url: str | None = None, fleet_file: Path | None = N
     target = find_fleet(nats_url, fleet_file, creds)
 
     async def run() -> tuple[FleetEntry, str]:
-        async with connected(target) as (_, kv):
+        async with open_fleet(target.nats_url, target.client) as (_, kv):
             try:
                 return await abort_on(kv, name, expect=expect)
             except LockBusy as exc:
@@ -250,13 +212,8 @@ def watch_line(c: dict[str, Any], cluster: dict[str, dict[str, Any]], now: float
 
 async def read_canaries(nats_url: str, client: ClientSettings | None = None) -> list[dict[str, Any]]:
     """Every canary in the fleet state (for `lorafleet status`)."""
-    nc = await _connect(nats_url, client)
-    try:
-        kv = await open_fleet_bucket(nc.jetstream())  # type: ignore[attr-defined]
+    async with open_fleet(nats_url, client) as (_, kv):
         return [describe(e) for _, e in sorted((await read_entries(kv)).items()) if e.canary is not None]
-    finally:
-        with contextlib.suppress(Exception):
-            await nc.close()  # type: ignore[attr-defined]
 
 
 __all__ = ["CanaryError", "CanaryOutcome", "CanaryState", "abort", "abort_on", "canary_in_progress", "check_percent",

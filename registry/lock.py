@@ -179,6 +179,19 @@ async def promote_lock(kv: Any, name: str, action: str, *, ttl_s: float | None =
             await kv.delete(lock_key(name), last=held.revision)
 
 
+@contextlib.asynccontextmanager
+async def locked(kv: Any, name: str, action: str, error: type[Exception] | None) -> AsyncIterator[HeldLock]:
+    """`promote_lock` for the block, LockBusy and LockLost raised as `error` (None: as they are, for a caller that
+    waits and tries again)."""
+    try:
+        async with promote_lock(kv, name, action) as lock:
+            yield lock
+    except (LockBusy, LockLost) as exc:
+        if error is None:
+            raise
+        raise error(str(exc)) from exc
+
+
 async def wait_released(kv: Any, name: str, timeout_s: float) -> bool:
     """Wait, on a KV watch of the lock key, until `name`'s lock can be taken: deleted, unreadable, or past its
     expiry (a holder that died). True when it can, False when `timeout_s` passed first."""

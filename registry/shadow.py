@@ -29,7 +29,6 @@ from lorafleet.core.fleet_state import (
     ShadowSpec,
     adapter_id_for,
     canary_spec,
-    open_fleet_bucket,
     read_entries,
     read_entry,
 )
@@ -37,19 +36,14 @@ from lorafleet.core.tasks import GateResult
 from lorafleet.nats.client import ClientSettings
 from lorafleet.registry import store, transition
 from lorafleet.registry.canary import CanaryError
-from lorafleet.registry.promote import (
-    Agreement,
-    Outcome,
-    Preload,
-    _connect,
-    _gate_or_refuse,
-    _switch,
-    _with_retention,
-    default_margin,
-    find_fleet,
-)
-from lorafleet.registry.store import CANDIDATE, CHAMPION, RegistryError, VersionInfo
-from lorafleet.registry.transition import Change, Split, connected, finished_by_repair, locked, rewrite, start_split
+from lorafleet.registry.consistency import Agreement
+from lorafleet.registry.fleet_target import FleetTarget, find_fleet, open_fleet, target_retention
+from lorafleet.registry.gate import gated_candidate
+from lorafleet.registry.lock import locked
+from lorafleet.registry.promote import Outcome
+from lorafleet.registry.staging import Preload
+from lorafleet.registry.store import CANDIDATE, CHAMPION, RegistryError
+from lorafleet.registry.transition import Change, Split, finish_split, rewrite, start_split
 from lorafleet.registry.writes import run_transition
 
 log = logging.getLogger(__name__)
@@ -137,7 +131,7 @@ def start(name: str, version: str | int | None, percent: float, *, force: bool =
     found = store.get_version(name, store.alias_version(name, CANDIDATE) if version is None else version)
     _, first = store.bundle_spec(found.name, found.version)
     check_kind(name, found.version, first.kind)  # before the gate: a wrong kind fails whatever its scores
-    info, margin = transition.gated_candidate(name, found.version, margin, force)
+    info, margin = gated_candidate(name, found.version, margin, force)
     target = find_fleet(nats_url, fleet_file, creds)
 
     def allowed(state: Agreement) -> None:
@@ -146,9 +140,8 @@ def start(name: str, version: str | int | None, percent: float, *, force: bool =
     def place(live: FleetEntry, candidate: FleetEntry) -> FleetEntry:
         return live.model_copy(update={"shadow": ShadowSpec(**canary_spec(candidate, percent).model_dump())})
 
-    entry, gate = run_transition(start_split(
-        target, name, info, Split("shadow", ShadowError, allowed, place),
-        lambda champion: _gate_or_refuse(info, champion, margin, force), preload or Preload()))
+    entry, gate = start_split(target, name, info, Split("shadow", ShadowError, allowed, place), margin=margin,
+                              force=force, preload=preload)
     return ShadowOutcome(name, entry.version, info.version, percent, entry, gate, target.nats_url)
 
 
@@ -214,27 +207,20 @@ def running(name: str, *, nats_url: str | None = None, fleet_file: Path | None =
     target = find_fleet(nats_url, fleet_file, creds)
 
     async def run() -> FleetEntry | None:
-        nc = await _connect(target.nats_url, target.client)
-        try:
-            entry, _ = await read_entry(await open_fleet_bucket(nc.jetstream()), name)  # type: ignore[attr-defined]
+        async with open_fleet(target.nats_url, target.client) as (_, kv):
+            entry, _ = await read_entry(kv, name)
             return entry
-        finally:
-            with contextlib.suppress(Exception):
-                await nc.close()  # type: ignore[attr-defined]
 
     return asyncio.run(run())
 
 
-async def _gather_and_log(target: Any, name: str, listen_s: float) -> tuple[FleetEntry, ShadowFigures, str | None]:
-    nc = await _connect(target.nats_url, target.client)
-    try:
-        entry, _ = await read_entry(await open_fleet_bucket(nc.jetstream()), name)  # type: ignore[attr-defined]
+async def _gather_and_log(target: FleetTarget, name: str, listen_s: float
+                          ) -> tuple[FleetEntry, ShadowFigures, str | None]:
+    async with open_fleet(target.nats_url, target.client) as (nc, kv):
+        entry, _ = await read_entry(kv, name)
         ShadowState.of(name, entry).end()
         assert entry is not None and entry.shadow is not None
         figures = await _figures(nc, entry, listen_s)
-    finally:
-        with contextlib.suppress(Exception):
-            await nc.close()  # type: ignore[attr-defined]
     run_id = await asyncio.to_thread(log_online, name, entry.shadow.version, entry.version, entry.shadow.percent,
                                      figures)
     return entry, figures, run_id
@@ -256,7 +242,8 @@ def abort(name: str, *, nats_url: str | None = None, fleet_file: Path | None = N
                 raise ShadowError(f"{name}: the shadow changed while its figures were read; nothing changed")
             return Change(entry.model_copy(update={"shadow": None}), ends=entry.shadow.version)
 
-        async with connected(target) as (_, kv), locked(kv, name, "shadow abort", ShadowError) as lock:
+        async with open_fleet(target.nats_url, target.client) as (_, kv), \
+                locked(kv, name, "shadow abort", ShadowError) as lock:
             done = await rewrite(kv, lock, name, change)
         assert done is not None
         return ShadowOutcome(name, done.entry.version, None, seen.shadow.percent, done.entry, None, target.nats_url,
@@ -271,26 +258,19 @@ def finish(name: str, *, force: bool = False, margin: float | None = None, nats_
            listen_s: float = LISTEN_S) -> tuple[Outcome, ShadowFigures, str | None]:
     """Log the figures, then the candidate becomes champion through promote's path (gate against the champion as
     it is then, preload, compare-and-set, the old champion retained as NAME@N); the entry it writes has no shadow."""
-    margin = default_margin() if margin is None else margin
-    target = _with_retention(find_fleet(nats_url, fleet_file, creds), retention, retention_changes)
+    target = target_retention(find_fleet(nats_url, fleet_file, creds), retention, retention_changes)
     seen, figures, run_id = asyncio.run(_gather_and_log(target, name, listen_s))
     assert seen.shadow is not None
     version = seen.shadow.version
 
-    def decide(state: Agreement) -> tuple[VersionInfo, tuple[str, ...], GateResult | None]:
-        if finished_by_repair(state, version):  # a finish that died after moving the alias: completed by the repair
-            return store.get_version(name, version), state.history, None
+    def pick(state: Agreement) -> str:
         now = ShadowState.of(name, state.entry)
         now.end()
         if now.shadow != version:
             raise ShadowError(f"{name}: the shadow in progress is v{now.shadow}, not v{version}; nothing changed")
-        info = store.get_version(name, version)
-        history = state.history if state.history[-1:] == (version,) else (*state.history, version)
-        return info, history, _gate_or_refuse(info, state.champion, margin, force)
+        return version
 
-    done = run_transition(_switch(target, name, "promote", decide, preload or Preload()))
-    out = Outcome(name, done.entry.version, done.previous, "promote", done.entry, done.gate, target.nats_url,
-                  done.preload, done.repaired, done.precision)
+    out = finish_split(target, name, pick, lambda state: version, margin=margin, force=force, preload=preload)
     return out, figures, run_id
 
 
@@ -307,15 +287,10 @@ def describe(entry: FleetEntry) -> dict[str, Any]:
 async def read_shadows(nats_url: str, client: ClientSettings | None = None, listen_s: float = LISTEN_S
                        ) -> list[dict[str, Any]]:
     """Every shadow in the fleet state with the figures the gateways have so far (for `lorafleet status`)."""
-    nc = await _connect(nats_url, client)
-    try:
-        kv = await open_fleet_bucket(nc.jetstream())  # type: ignore[attr-defined]
+    async with open_fleet(nats_url, client) as (nc, kv):
         entries = [e for _, e in sorted((await read_entries(kv)).items()) if e.shadow is not None]
         latest = await collect(nc, listen_s) if entries else {}
         return [{**describe(e), "figures": summed(latest, shadow_key(e)).online_metrics()} for e in entries]
-    finally:
-        with contextlib.suppress(Exception):
-            await nc.close()  # type: ignore[attr-defined]
 
 
 def split_problem(entry: FleetEntry, registered: set[str], champion: str | None) -> str | None:
@@ -356,7 +331,7 @@ def drop_stale(name: str, *, repair: bool, nats_url: str | None = None, fleet_fi
         return Change(entry.model_copy(update={"canary": None, "shadow": None}), why=why)
 
     async def run() -> str | None:
-        async with connected(target) as (_, kv):
+        async with open_fleet(target.nats_url, target.client) as (_, kv):
             entry, _ = await read_entry(kv, name)
             why = await asyncio.to_thread(problem, entry)
             if why is None or not repair:

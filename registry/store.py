@@ -1,11 +1,8 @@
 """Bundles in MLflow: register a bundle folder as a model version, aliases, listing, verified download.
 
 A bundle is a plain artifact folder (not an MLflow flavour): it is logged under a run and registered
-with `MlflowClient.create_model_version(name, source=<artifact uri>, run_id=…)`. The version's tags
-carry a short, readable set: the kind's headline metrics (MLflow forbids '@' in tag keys, so
-`test_ndcg@10` is tagged `test_ndcg_at_10`), the base model, the dataset digest, the profile source
-and the sha256 of bundle.yaml, which pins the whole bundle; every other metric lives in the bundle.
-The version's description states the result in one sentence.
+with `MlflowClient.create_model_version(name, source=<artifact uri>, run_id=…)`. What a version
+carries (tags, description) and reads back as (VersionInfo) is registry/version_record.py, re-exported here.
 """
 
 from __future__ import annotations
@@ -14,15 +11,14 @@ import contextlib
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from lorafleet.core import settings
 from lorafleet.core.config import ServingProfile
-from lorafleet.core.metrics import from_mlflow_key, mlflow_key
+from lorafleet.core.metrics import mlflow_key
 from lorafleet.core.refs import NAME_RE
-from lorafleet.core.tasks import MetricSpec, get_task_kind
+from lorafleet.core.tasks import get_task_kind
 from lorafleet.registry import bundle_cache
 from lorafleet.registry.bundle import (
     ADAPTER_DIR,
@@ -38,69 +34,26 @@ from lorafleet.registry.bundle import (
     verify_bundle,
 )
 from lorafleet.registry.bundle_cache import bundle_cache_dir
+from lorafleet.registry.version_record import (
+    CANDIDATE,
+    CHAMPION,
+    TAG_BASE,
+    TAG_DIGEST,
+    TAG_HISTORY,
+    TAG_SPEC_SHA,
+    TAG_TASK,
+    BundleRef,
+    RegistryError,
+    StoreUnreachable,
+    VersionInfo,
+    model_description,
+    version_description,
+    version_tags,
+)
 
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
 BUNDLE_EXPERIMENT = "lorafleet-bundles"
-CANDIDATE = "candidate"
-CHAMPION = "champion"
-TAG_SPEC_SHA = "bundle_sha256"
-TAG_BASE = "base_model"
-TAG_DIGEST = "dataset_digest"
-TAG_HISTORY = "lorafleet.champion_history"  # registered-model tag: champion versions, oldest first
-TAG_TASK = "lorafleet.task"
-
-
-class RegistryError(RuntimeError):
-    """The registry cannot do what was asked (unknown name/version, unreachable store); nothing was changed."""
-
-
-class StoreUnreachable(RegistryError):
-    """The MLflow store did not answer; retrying later may work."""
-
-
-class BundleRef(NamedTuple):
-    name: str
-    version: str
-
-
-@dataclass
-class VersionInfo:
-    name: str
-    version: str
-    source: str
-    run_id: str | None
-    aliases: list[str] = field(default_factory=list)
-    tags: dict[str, str] = field(default_factory=dict)
-
-    def metric(self, name: str) -> float | None:
-        raw = self.tags.get(mlflow_key(name))
-        try:
-            return float(raw) if raw is not None else None
-        except ValueError:
-            return None
-
-    @property
-    def base(self) -> str | None:
-        return self.tags.get(TAG_BASE)
-
-    @property
-    def dataset_digest(self) -> str | None:
-        """The digest of the dataset the version was trained and scored on (its test numbers belong to it)."""
-        return self.tags.get(TAG_DIGEST) or None
-
-    @property
-    def task(self) -> str:
-        """The task kind that trained this version (versions from before kinds were recorded: retrieval)."""
-        return self.tags.get(TAG_TASK) or DEFAULT_TASK
-
-    def metrics(self) -> dict[str, float]:
-        """Every metric recorded in the version's tags, under its lorafleet name (`test_ndcg@10`)."""
-        out: dict[str, float] = {}
-        for k, v in self.tags.items():
-            with contextlib.suppress(ValueError):
-                out[from_mlflow_key(k)] = float(v)
-        return out
 
 
 def tracking_uri() -> str:
@@ -186,7 +139,7 @@ def register_bundle(name: str, adapter_dir: str | Path, *, base_source: str, bas
     source = f"{run.info.artifact_uri.rstrip('/')}/{artifact_path}"
     metric_spec = get_task_kind(task).metrics
     with contextlib.suppress(Exception):  # already exists
-        c.create_registered_model(name, description=_model_description(task, metric_spec))
+        c.create_registered_model(name, description=model_description(task, metric_spec))
     tags = version_tags(metric_spec, spec.metrics)
     tags.update({TAG_BASE: spec.base.name})
     if dataset_digest:
@@ -202,36 +155,6 @@ def register_bundle(name: str, adapter_dir: str | Path, *, base_source: str, bas
     if alias:
         c.set_registered_model_alias(name, alias, version)
     return BundleRef(name, version)
-
-
-def version_tags(metric_spec: MetricSpec, metrics: dict[str, float]) -> dict[str, str]:
-    """A version's metric tags: the kind's headline set on test (adapter, base model, baseline), the objective
-    on dev and what `registry list` shows, in that order, plus the headline's gain over the base
-    (`test_ndcg_gain`). Every other metric lives in the bundle."""
-    test = [m for m in metric_spec.headline_set if m.endswith(metric_spec.headline)]
-    names = [*test, metric_spec.objective, *metric_spec.table]
-    tags = {mlflow_key(k): f"{metrics[k]:.6g}" for k in dict.fromkeys(names) if k in metrics}
-    headline, base = metric_spec.headline, metric_spec.base(metric_spec.headline)
-    if headline in metrics and base in metrics:
-        tags[f"{mlflow_key(headline).split('_at_')[0]}_gain"] = f"{metrics[headline] - metrics[base]:.6g}"
-    return tags
-
-
-def version_description(metric_spec: MetricSpec, metrics: dict[str, float], base: str, dataset_digest: str | None,
-                        more: str | None = None) -> str:
-    """The result in one sentence, then `more` (research's verdict) as a second paragraph:
-    `test nDCG@10 0.440 vs base 0.315 (+40 %) and BM25 0.298; LoRA on all-MiniLM-L6-v2, trained on dataset 3f2a…`."""
-    trained = f"LoRA on {base}" + (f", trained on dataset {dataset_digest[:12]}" if dataset_digest else "")
-    summary = metric_spec.summary(metrics)
-    text = f"{summary}; {trained}." if summary else f"{trained} (no test metrics recorded)."
-    return f"{text}\n\n{more}" if more else text
-
-
-def _model_description(task: str, metric_spec: MetricSpec) -> str:
-    return (f"lorafleet bundles of task kind `{task}`: a LoRA adapter, its base model, serving profile, evaluation "
-            f"report and data digest. Each version's description states its test {metric_spec.label or 'score'} "
-            "against the base model; alias `candidate` is the latest research winner, `champion` what the fleet "
-            "serves.")
 
 
 def _registered(c: Any, name: str) -> Any:

@@ -10,62 +10,29 @@
   version (a `--finish` that died after moving the alias): so no later repair, which follows the alias, can make
   an aborted version champion.
 
-`--finish` of either goes through promote's switch (registry/promote.py); `finished_by_repair` lets it answer
-"done" when the repair at its start already completed a finish that had died half-way.
+- `finish_split`: `--finish` of either goes through promote's switch (registry/promote.py): the split's version
+  gated against the champion as it is then, preloaded, made champion; "done" as it stands when the repair at the
+  switch's start already completed a finish that had died half-way (`finished_by_repair`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from lorafleet.core.fleet_state import FleetEntry, delete_staged, open_fleet_bucket, read_entry
+from lorafleet.core.fleet_state import FleetEntry, read_entry
 from lorafleet.core.tasks import GateResult
 from lorafleet.registry import store
-from lorafleet.registry.lock import HeldLock, LockBusy, LockLost, promote_lock
-from lorafleet.registry.promote import (
-    Agreement,
-    FleetTarget,
-    Preload,
-    PromotionError,
-    _bases,
-    _connect,
-    _entry,
-    _gate_or_refuse,
-    _preload,
-    _snapshot,
-    default_margin,
-    repaired_history,
-)
-from lorafleet.registry.store import CANDIDATE, CHAMPION, VersionInfo
-from lorafleet.registry.writes import in_thread, reached, write_alias, write_fleet, write_history
-
-
-@contextlib.asynccontextmanager
-async def connected(target: FleetTarget, *, lasting: bool = False) -> AsyncIterator[tuple[Any, Any]]:
-    """(connection, fleet bucket) for the block; `lasting`: pings and reconnects (promote's `_connect`)."""
-    nc: Any = await _connect(target.nats_url, target.client, lasting=lasting)
-    try:
-        yield nc, await open_fleet_bucket(nc.jetstream())
-    finally:
-        with contextlib.suppress(Exception):
-            await nc.close()
-
-
-@contextlib.asynccontextmanager
-async def locked(kv: Any, name: str, action: str, error: type[Exception] | None) -> AsyncIterator[HeldLock]:
-    """The name's promote lock for the block; LockBusy (and LockLost) become `error` (None: raised as they are, for
-    a caller that waits and tries again)."""
-    try:
-        async with promote_lock(kv, name, action) as lock:
-            yield lock
-    except (LockBusy, LockLost) as exc:
-        if error is None:
-            raise
-        raise error(str(exc)) from exc
+from lorafleet.registry.consistency import Agreement, history_with, repaired_history, snapshot
+from lorafleet.registry.fleet_target import FleetTarget, fleet_bases, open_fleet
+from lorafleet.registry.gate import PromotionError, default_margin, gate_or_refuse
+from lorafleet.registry.lock import HeldLock, locked
+from lorafleet.registry.promote import Outcome, switch
+from lorafleet.registry.staging import Preload, served_entry, staged
+from lorafleet.registry.store import CHAMPION, VersionInfo
+from lorafleet.registry.writes import in_thread, reached, run_transition, write_alias, write_fleet, write_history
 
 
 def check_share(percent: float, flag: str, what: str, error: type[Exception], hint: str = "") -> float:
@@ -74,18 +41,6 @@ def check_share(percent: float, flag: str, what: str, error: type[Exception], hi
         raise error(f"{flag} {percent}: the share must be more than 0 and less than 100 (percent of the name's "
                     f"{what}){hint}")
     return float(percent)
-
-
-def gated_candidate(name: str, version: str | int | None, margin: float | None, force: bool
-                    ) -> tuple[VersionInfo, float]:
-    """The version a split starts on (default: the `candidate` alias, else the newest) once it passed promote's
-    gate against today's champion, and the margin that gate used (the one research recorded, by default)."""
-    margin = default_margin() if margin is None else margin
-    if version is None:
-        version = store.alias_version(name, CANDIDATE)
-    info = store.get_version(name, version)
-    _gate_or_refuse(info, store.alias_version(name, CHAMPION), margin, force)
-    return info, margin
 
 
 @dataclass(frozen=True)
@@ -98,38 +53,37 @@ class Split:
     place: Callable[[FleetEntry, FleetEntry], FleetEntry]  # (live entry, candidate's entry) -> the entry to write
 
 
-async def start_split(target: FleetTarget, name: str, info: VersionInfo, split: Split,
-                      gate: Callable[[str | None], GateResult], preload: Preload) -> tuple[FleetEntry, GateResult]:
-    """Start `split` of `info` (see the module docstring); the live entry written and the gate's verdict."""
-    async with connected(target) as (nc, kv):
-        bases = await _bases(nc, target)
+async def _start(target: FleetTarget, name: str, info: VersionInfo, split: Split,
+                 gate: Callable[[str | None], GateResult], preload: Preload) -> tuple[FleetEntry, GateResult]:
+    async with open_fleet(target.nats_url, target.client) as (nc, kv):
+        bases = await fleet_bases(nc, target)
         async with locked(kv, name, split.action, split.error) as lock:
-            state = await _snapshot(kv, name)
+            state = await snapshot(kv, name)
             if not state.agrees:
                 raise split.error(f"{name}: the registry and the fleet disagree ({state.describe()}); run "
                                   f"`lorafleet registry check {name} --repair` first")
             split.allowed(state)
             verdict = await in_thread(gate, state.champion)
-            _, spec = await in_thread(store.bundle_spec, info.name, info.version)
-            if spec.base.name not in bases:
-                raise split.error(f"{name} v{info.version} runs on base {spec.base.name!r}, which this fleet does "
-                                  f"not serve (it serves: {', '.join(bases)})")
-            candidate = _entry(info, spec.base.name, spec.profile, "promote", spec)
-            preloaded = await _preload(nc, kv, candidate, target, preload) if preload.enabled else None
-            try:
+            candidate = await served_entry(info, bases, "promote", split.error)
+            async with staged(nc, kv, candidate, target, preload):
                 await lock.verify()
-                fresh = await _snapshot(kv, name)
+                fresh = await snapshot(kv, name)
                 reached("read")
                 if fresh.key() != state.key() or fresh.entry is None:
                     raise split.error(f"{name} changed while the preload ran (was: {state.describe()}; now: "
                                       f"{fresh.describe()}); nothing changed. Run it again")
                 entry = split.place(fresh.entry, candidate)
                 await write_fleet(lock, kv, entry, fresh.revision)
-            finally:
-                if preloaded is not None:
-                    with contextlib.suppress(Exception):
-                        await delete_staged(kv, name)
     return entry, verdict
+
+
+def start_split(target: FleetTarget, name: str, info: VersionInfo, split: Split, *, margin: float | None,
+                force: bool, preload: Preload | None) -> tuple[FleetEntry, GateResult]:
+    """Start `split` of `info` (see the module docstring), gated against the champion read under the lock; the live
+    entry written and the gate's verdict."""
+    return run_transition(_start(target, name, info, split, lambda champion: gate_or_refuse(info, champion, margin,
+                                                                                            force),
+                                 preload or Preload()))
 
 
 @dataclass(frozen=True)
@@ -177,4 +131,22 @@ def finished_by_repair(state: Agreement, version: str) -> bool:
     return any(s is not None and s.version == version for s in (before.canary, before.shadow))
 
 
-__all__ = ["Change", "Split", "connected", "finished_by_repair", "locked", "rewrite", "start_split"]
+def finish_split(target: FleetTarget, name: str, pick: Callable[[Agreement], str],
+                 repaired: Callable[[Agreement], str | None], *, margin: float | None, force: bool,
+                 preload: Preload | None) -> Outcome:
+    """`--finish`: the version `pick` names (it raises to refuse) becomes champion through promote's switch, gated
+    against the champion as it is then; when the repair at the switch's start already made the version `repaired`
+    names champion (`finished_by_repair`), the finish is done as it stands."""
+    margin = default_margin() if margin is None else margin
+
+    def decide(state: Agreement) -> tuple[VersionInfo, tuple[str, ...], GateResult | None]:
+        done = repaired(state)
+        if done is not None and finished_by_repair(state, done):
+            return store.get_version(name, done), history_with(state.history, done), None
+        info = store.get_version(name, pick(state))
+        return info, history_with(state.history, info.version), gate_or_refuse(info, state.champion, margin, force)
+
+    return switch(target, name, "promote", decide, preload)
+
+
+__all__ = ["Change", "Split", "check_share", "finish_split", "finished_by_repair", "rewrite", "start_split"]

@@ -16,8 +16,8 @@ canary stays at its percentage (safe) and `lorafleet status` says that nobody wa
 A failing canary is aborted within `abort_within_s` (issue 38), whatever else holds the name's lock for a moment
 (a CI promote that takes it and is refused, a repair): the abort waits for the lock's release on its KV watch and
 tries again, with a short backoff against one that takes it again at once; the mark is cleared the same way. The
-watch's connection pings and reconnects like a gateway's (`_connect(lasting=True)`): a server that goes silent is
-noticed within seconds, and the watch goes on through another node of a cluster.
+watch's connection pings and reconnects like a gateway's (`fleet_target.connect(lasting=True)`): a server that goes
+silent is noticed within seconds, and the watch goes on through another node of a cluster.
 """
 
 from __future__ import annotations
@@ -37,8 +37,10 @@ from lorafleet.core import heartbeats
 from lorafleet.core.fleet_state import FleetEntry, Retention, open_fleet_bucket, read_entry
 from lorafleet.core.heartbeats import GatewayStats, VersionCounts
 from lorafleet.registry import canary, store
+from lorafleet.registry.fleet_target import connect, find_fleet
 from lorafleet.registry.lock import LOCK_TTL_S, LockBusy, promote_lock, wait_released
-from lorafleet.registry.promote import Outcome, Preload, _connect, find_fleet
+from lorafleet.registry.promote import Outcome
+from lorafleet.registry.staging import Preload
 from lorafleet.registry.transition import Change, rewrite
 
 log = logging.getLogger(__name__)
@@ -238,7 +240,7 @@ def watch(name: str, duration_s: float, margins: Margins | None = None, *, nats_
     target = find_fleet(nats_url, fleet_file, creds)
 
     async def run() -> WatchOutcome:
-        nc = await _connect(target.nats_url, target.client, lasting=True)
+        nc = await connect(target.nats_url, target.client, lasting=True)
         tally = Tally()
         sub = beacon = None
         version = ""

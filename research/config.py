@@ -24,6 +24,14 @@ from lorafleet.core.tasks import DEFAULT_MARGIN, TaskKind, get_task_kind
 STUDY_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 
 
+def _check_range(low: float, high: float, bad_log: bool, log_rule: str) -> None:
+    """A numeric parameter's range: low must not exceed high; `bad_log`: its log sampling breaks `log_rule`."""
+    if low > high:
+        raise ValueError(f"low ({low}) must not exceed high ({high})")
+    if bad_log:
+        raise ValueError(log_rule)
+
+
 class IntParam(StrictModel):
     type: Literal["int"]
     low: int
@@ -33,10 +41,8 @@ class IntParam(StrictModel):
 
     @model_validator(mode="after")
     def _check(self) -> IntParam:
-        if self.low > self.high:
-            raise ValueError(f"low ({self.low}) must not exceed high ({self.high})")
-        if self.log and (self.low < 1 or self.step != 1):
-            raise ValueError("log=true needs low >= 1 and step 1")
+        _check_range(self.low, self.high, self.log and (self.low < 1 or self.step != 1),
+                     "log=true needs low >= 1 and step 1")
         return self
 
     def bounds(self) -> list[Any]:
@@ -52,10 +58,8 @@ class FloatParam(StrictModel):
 
     @model_validator(mode="after")
     def _check(self) -> FloatParam:
-        if self.low > self.high:
-            raise ValueError(f"low ({self.low}) must not exceed high ({self.high})")
-        if self.log and (self.low <= 0 or self.step is not None):
-            raise ValueError("log=true needs low > 0 and no step")
+        _check_range(self.low, self.high, self.log and (self.low <= 0 or self.step is not None),
+                     "log=true needs low > 0 and no step")
         return self
 
     def bounds(self) -> list[Any]:

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import optuna
@@ -60,6 +61,20 @@ class DatasetCache:
         return self._cache.get(self.kind.dataset_key(cfg))
 
 
+_FINALISER_CODE = frozenset({"__del__", "unraisable_hook"})
+_FINALISER_FILES = ("unraisableexception.py", "tracemalloc.py", "weakref.py", "_weakrefset.py")
+
+
+def _in_finaliser(frame: FrameType | None) -> bool:
+    """Whether the interrupted code is a finaliser, a weakref callback or the unraisable hook (any frame up)."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name in _FINALISER_CODE or code.co_filename.endswith(_FINALISER_FILES):
+            return True
+        frame = frame.f_back
+    return False
+
+
 @contextlib.contextmanager
 def time_limit(seconds: float) -> Iterator[None]:
     """Raise TrialTimeout inside the block after `seconds` (SIGALRM: main thread only, else epoch checks).
@@ -72,7 +87,9 @@ def time_limit(seconds: float) -> Iterator[None]:
         yield
         return
 
-    def _alarm(signum: int, frame: object) -> None:
+    def _alarm(signum: int, frame: FrameType | None) -> None:
+        if _in_finaliser(frame):
+            return  # raised there it is swallowed (or breaks sys.unraisablehook); the next alarm lands elsewhere
         raise TrialTimeout(f"time limit of {seconds:.0f}s reached")
 
     previous = signal.signal(signal.SIGALRM, _alarm)

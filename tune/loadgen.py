@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,14 +40,14 @@ class LoadResult:
 
     @property
     def throughput(self) -> float:
-        return self.ok / self.duration_s if self.duration_s > 0 else 0.0
+        return per_second(self.ok, self.duration_s)
 
     def percentile(self, q: float) -> float | None:
-        return float(np.percentile(self.latencies_ms, q)) if self.latencies_ms else None
+        return percentile(self.latencies_ms, q)
 
     @property
     def gen_cpu_pct(self) -> float:
-        return 100.0 * self.gen_cpu_s / self.duration_s if self.duration_s > 0 else 0.0
+        return 100.0 * per_second(self.gen_cpu_s, self.duration_s)
 
     def summary(self) -> dict[str, float | int | str | None]:
         return {"mode": self.mode, "level": self.level, "duration_s": round(self.duration_s, 3),
@@ -55,6 +55,14 @@ class LoadResult:
                 "throughput_rps": round(self.throughput, 2),
                 "p50_ms": _r(self.percentile(50)), "p90_ms": _r(self.percentile(90)),
                 "p99_ms": _r(self.percentile(99)), "gen_cpu_pct": round(self.gen_cpu_pct, 2)}
+
+
+def per_second(count: float, duration_s: float) -> float:
+    return count / duration_s if duration_s > 0 else 0.0
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
 
 
 def _r(v: float | None) -> float | None:
@@ -136,15 +144,23 @@ class Target:
         return Connection(self.host, self.port, self.path, self.content_type)
 
 
-async def closed_loop(target: Target, concurrency: int, duration_s: float) -> LoadResult:
-    """`concurrency` clients, each sending its next request as soon as the last one is answered."""
-    result = LoadResult("closed", concurrency, duration_s)
+async def run_clients(client: Callable[[float, Iterator[int]], Awaitable[None]], concurrency: int,
+                      duration_s: float) -> tuple[float, float]:
+    """`concurrency` copies of `client(end, counter)` (end: perf_counter time to stop starting requests; counter:
+    the request numbers they share); (wall seconds until the last one returned, this process's CPU seconds).
+    The closed loops of both generators (this one and streamload.py) run on it."""
     counter = iter(range(10**12))
     cpu0 = time.process_time()
     start = time.perf_counter()
-    end = start + duration_s
+    await asyncio.gather(*(client(start + duration_s, counter) for _ in range(concurrency)))
+    return time.perf_counter() - start, time.process_time() - cpu0
 
-    async def client() -> None:
+
+async def closed_loop(target: Target, concurrency: int, duration_s: float) -> LoadResult:
+    """`concurrency` clients, each sending its next request as soon as the last one is answered."""
+    result = LoadResult("closed", concurrency, duration_s)
+
+    async def client(end: float, counter: Iterator[int]) -> None:
         conn = target.connection()
         try:
             while True:
@@ -155,9 +171,7 @@ async def closed_loop(target: Target, concurrency: int, duration_s: float) -> Lo
         finally:
             conn.close()
 
-    await asyncio.gather(*(client() for _ in range(concurrency)))
-    result.duration_s = time.perf_counter() - start
-    result.gen_cpu_s = time.process_time() - cpu0
+    result.duration_s, result.gen_cpu_s = await run_clients(client, concurrency, duration_s)
     return result
 
 

@@ -8,6 +8,8 @@ import re
 import shutil
 import subprocess
 import threading
+from pathlib import Path
+from typing import Any
 
 import msgpack
 
@@ -44,6 +46,19 @@ def load_texts(n: int = 400, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     rng.shuffle(sentences)
     return sentences[:n]
+
+
+def start_cluster(fleet: Any, home: Path, timeout: float) -> Any:
+    """A started private tuning cluster (nats-server, gateway, one worker) serving `fleet`."""
+    from lorafleet.nats.server import free_port
+    from lorafleet.ops.cluster import ClusterError, LocalCluster
+
+    cluster = LocalCluster(fleet, workers=1, port=0, home=home, nats_port=free_port())
+    try:
+        cluster.start(timeout=timeout)
+    except ClusterError as exc:
+        raise TuneError(f"the tuning cluster did not start: {exc}") from exc
+    return cluster
 
 
 def make_target(gateway_url: str, model: str, texts: list[str]) -> Target:

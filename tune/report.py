@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 if TYPE_CHECKING:
+    from lorafleet.tune.batching import TuneResult
     from lorafleet.tune.config import TuneConfig
     from lorafleet.tune.source import TuneSource
-    from lorafleet.tune.sweep import TuneResult
 
 PROFILE_FILE = "profile.yaml"
 CSV_FILE = "results.csv"
@@ -42,6 +42,15 @@ def machine() -> dict[str, Any]:
     return info
 
 
+def write_csv(path: Path, rows: list[dict[str, Any]], empty: tuple[str, ...] = ("precision",)) -> None:
+    """`rows` as a CSV table, the columns in first-seen order (`empty`: the header of no rows)."""
+    fields = list(dict.fromkeys(k for row in rows for k in row)) or list(empty)
+    with open(path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
 def write_outputs(result: TuneResult, cfg: TuneConfig, source: TuneSource) -> dict[str, Path]:
     out = result.out_dir
     rec = result.recommendation
@@ -64,14 +73,8 @@ def write_outputs(result: TuneResult, cfg: TuneConfig, source: TuneSource) -> di
     # Every precision, measured or disqualified, with its quality and reason, and its best measured throughput.
     prows = [{**q, "best_throughput_rps": max((r["throughput_rps"] for r in rows if r["precision"] == p),
                                               default=None)} for p, q in quality.items()]
-    with open(files["precisions"], "w", newline="") as fh:
-        pwriter = csv.DictWriter(fh, fieldnames=list(prows[0]) if prows else ["precision"])
-        pwriter.writeheader()
-        pwriter.writerows(prows)
-    with open(files["csv"], "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(files["precisions"], prows)
+    write_csv(files["csv"], rows)
     payload = {
         "source": {"label": source.label, "adapter_dir": str(source.adapter_dir), "base": source.base_name,
                    "base_source": source.base_source},

@@ -14,12 +14,13 @@ import asyncio
 import contextlib
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import orjson
+
+from lorafleet.tune.loadgen import per_second, percentile, run_clients
 
 BodyFor = Callable[[int], dict[str, Any]]
 
@@ -42,11 +43,12 @@ class StreamResult:
 
     @property
     def tokens_per_s(self) -> float:
-        return self.output_tokens / self.duration_s if self.duration_s > 0 else 0.0
+        return per_second(self.output_tokens, self.duration_s)
 
     @staticmethod
     def _p(values: list[float], q: float) -> float | None:
-        return round(float(np.percentile(values, q)), 2) if values else None
+        p = percentile(values, q)
+        return None if p is None else round(p, 2)
 
     def summary(self) -> dict[str, Any]:
         return {"concurrency": self.level, "duration_s": round(self.duration_s, 2), "requests": self.requests,
@@ -55,7 +57,7 @@ class StreamResult:
                 "ttft_p50_ms": self._p(self.ttft_ms, 50), "ttft_p99_ms": self._p(self.ttft_ms, 99),
                 "itl_p50_ms": self._p(self.itl_ms, 50), "itl_p99_ms": self._p(self.itl_ms, 99),
                 "latency_p50_ms": self._p(self.latency_ms, 50),
-                "gen_cpu_pct": round(100.0 * self.gen_cpu_s / self.duration_s, 2) if self.duration_s else 0.0}
+                "gen_cpu_pct": round(100.0 * per_second(self.gen_cpu_s, self.duration_s), 2)}
 
 
 class StreamError(RuntimeError):
@@ -123,12 +125,8 @@ async def stream_closed_loop(host: str, port: int, path: str, body_for: BodyFor,
     """`concurrency` clients, each streaming its next request as soon as the last one ended; requests begun
     before `duration_s` run to their end, and the duration counts until the last one ended."""
     result = StreamResult(concurrency, duration_s)
-    counter = iter(range(10**12))
-    cpu0 = time.process_time()
-    start = time.perf_counter()
-    end = start + duration_s
 
-    async def client() -> None:
+    async def client(end: float, counter: Iterator[int]) -> None:
         conn = SseConnection(host, port, path, headers)
         try:
             while time.perf_counter() < end:
@@ -136,9 +134,7 @@ async def stream_closed_loop(host: str, port: int, path: str, body_for: BodyFor,
         finally:
             conn.close()
 
-    await asyncio.gather(*(client() for _ in range(concurrency)))
-    result.duration_s = time.perf_counter() - start
-    result.gen_cpu_s = time.process_time() - cpu0
+    result.duration_s, result.gen_cpu_s = await run_clients(client, concurrency, duration_s)
     return result
 
 

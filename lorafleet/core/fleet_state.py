@@ -1,44 +1,50 @@
-"""The desired fleet state: one NATS KV entry per promoted served name, watched by gateways and workers.
+"""The desired fleet state in NATS: one KV entry per promoted served name, watched by gateways and workers, and
+the fleet file published beside it for hosts that join.
 
 Key = the served name (e.g. `german-legal`); value = JSON of `FleetEntry` (JSON, not MessagePack,
 so `nats kv get lorafleet_fleet german-legal` is readable by a person). Gateways turn the table into
 routes (served name → base + adapter id + adapter URI); workers take each entry's serving profile
 and fetch the adapter from its URI on first use. The adapter id carries the version
 (`german-legal@v3`), so tasks already queued for the old version still name the old adapter and
-finish on it while new requests use the new one.
+finish on it while new requests use the new one. What an entry holds is fleet_entry.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
 import os
-import re
-import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any
 
-from pydantic import Field
+from lorafleet.core.config import ConfigError, FleetConfig, validate_model
 
-from lorafleet.core.config import (
-    ConfigError,
-    FleetConfig,
-    ServedModel,
-    ServingProfile,
-    StrictModel,
-    validate_model,
-)
+# The entry model and its pure rules live in fleet_entry.py; re-exported here, where callers name them.
+from lorafleet.core.fleet_entry import KEY_RE as KEY_RE
+from lorafleet.core.fleet_entry import LOCK_PREFIX as LOCK_PREFIX
+from lorafleet.core.fleet_entry import PRELOAD_PREFIX, FleetEntry, FleetStateError, is_served_key, preload_key
+from lorafleet.core.fleet_entry import CanaryInProgress as CanaryInProgress
+from lorafleet.core.fleet_entry import CanarySpec as CanarySpec
+from lorafleet.core.fleet_entry import RetainedVersion as RetainedVersion
+from lorafleet.core.fleet_entry import Retention as Retention
+from lorafleet.core.fleet_entry import ShadowSpec as ShadowSpec
+from lorafleet.core.fleet_entry import adapter_id_for as adapter_id_for
+from lorafleet.core.fleet_entry import by_adapter_id as by_adapter_id
+from lorafleet.core.fleet_entry import canary_in_progress as canary_in_progress
+from lorafleet.core.fleet_entry import canary_spec as canary_spec
+from lorafleet.core.fleet_entry import merge_models as merge_models
+from lorafleet.core.fleet_entry import refuse_during_canary as refuse_during_canary
+from lorafleet.core.fleet_entry import retained_live as retained_live
+from lorafleet.core.fleet_entry import route_bucket as route_bucket
+from lorafleet.core.fleet_entry import served_models as served_models
+from lorafleet.core.fleet_entry import takes_canary as takes_canary
+from lorafleet.core.fleet_entry import with_retention as with_retention
 from lorafleet.core.urls import server_urls
 from lorafleet.core.wire import FLEET_CONFIG_KV_BUCKET, FLEET_KV_BUCKET
 
 log = logging.getLogger(__name__)
-
-KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-
 
 # The fleet file itself, for processes on other hosts (`lorafleet worker`/`gateway` without --fleet): the key in
 # its own bucket (FLEET_CONFIG_KV_BUCKET), which only the admin role may write. Not in the fleet bucket: control
@@ -48,280 +54,10 @@ FLEET_CONFIG_KEY = "_fleet"
 # started with only --nats-url refuses them unless its own host consents (ENV_TRUST_FLEET_EXEC=1).
 EXEC_OPTIONS = ("venv", "extra_args")
 ENV_TRUST_FLEET_EXEC = "LORAFLEET_TRUST_FLEET_EXEC"
-# A promotion's lock (`lorafleet promote`/`rollback`): held in the fleet bucket from before the champion is read
-# until the fleet state is written, so two promotions of one name never interleave (registry/promote.py).
-LOCK_PREFIX = "_lock."
-# A promotion's staged entry (`lorafleet promote`): the new version under `_preload.NAME` while the workers of
-# its base preload it, before the live entry NAME is written. Not a served name either, so gateways never
-# route by it; workers turn it into a preload.
-PRELOAD_PREFIX = "_preload."
 # Host-local settings stay out of the shared copy: each process gets its own URL, credential and TLS files
 # on its command line, and API keys are secrets the workers (who can read the bucket) must not see.
 _HOST_LOCAL: dict[str, Any] = {"nats_url": True, "nats": {"creds", "tls_ca", "tls_cert", "tls_key"},
                                "gateway": {"api_keys"}}
-
-
-class FleetStateError(RuntimeError):
-    """The fleet state cannot be read or written (NATS unreachable, bucket missing, bad entry)."""
-
-
-DEFAULT_RETAIN_S = 7 * 24 * 3600.0
-DEFAULT_RETAIN_VERSIONS = 2
-RETIRED_KEPT = 64  # retired version numbers remembered per name (for 410 rather than 404); the oldest go first
-
-
-class RetainedVersion(StrictModel):
-    """A former champion still served under its pinned name NAME@N after a promote (issue 25): a client's index
-    built with it keeps working until it has re-embedded with the new version."""
-
-    version: str
-    base: str
-    adapter_id: str
-    adapter_uri: str
-    profile: ServingProfile | None = None
-    kind: str | None = None
-    system_prompt: str | None = None
-    chat_template: str | None = None
-    generation: dict[str, Any] | None = None
-    superseded: float = Field(description="When it stopped being the champion (epoch seconds).")
-    until: float | None = Field(None, description="Retired after this (epoch seconds); None: no time limit.")
-
-
-class CanarySpec(StrictModel):
-    """A canary of a promoted name (issue 25): `percent` of the plain name's traffic, by a sticky hash of each
-    client's route key, goes to this version; the rest stays on the champion. In the fleet state so every gateway
-    applies the same split and a restart keeps it. Written by `promote --canary`, removed by `--finish`/`--abort`."""
-
-    version: str
-    percent: float = Field(gt=0, lt=100)
-    base: str
-    adapter_id: str
-    adapter_uri: str
-    profile: ServingProfile | None = None
-    kind: str | None = None
-    system_prompt: str | None = None
-    chat_template: str | None = None
-    generation: dict[str, Any] | None = None
-    started: float = Field(default_factory=time.time)
-    # `--watch`: who compares the two sides and until when (None: nobody watches; the canary stays as it is).
-    watcher: str | None = None
-    watch_until: float | None = None
-
-
-class ShadowSpec(CanarySpec):
-    """A shadow of a promoted name (issue 25, part 5): `percent` of the plain name's requests are also sent to this
-    version; clients only ever get the champion's answer, the copy's is compared with it and discarded. Generative
-    and rerank names only. Written by `promote --shadow`, removed by `--finish`/`--abort` (registry/shadow.py)."""
-
-
-class FleetEntry(StrictModel):
-    """What the fleet should serve under one name."""
-
-    name: str = Field(pattern=KEY_RE.pattern)
-    base: str
-    adapter_id: str = Field(description="Workers' cache key, NAME@vN: a new version is a new adapter.")
-    adapter_uri: str = Field(description="models:/NAME/N (fetched from MLflow and verified) or a local folder.")
-    profile: ServingProfile | None = None
-    version: str
-    registered_model: str
-    action: Literal["promote", "rollback", "set"] = "set"
-    updated: float = Field(default_factory=time.time)
-    # Optional (issue 14), from a generative bundle's details: what the gateway applies to this name.
-    kind: str | None = Field(None, description="The bundle kind: sentence-transformers, causal-lm, …")
-    system_prompt: str | None = Field(None, description="Applied when a chat request brings no system message.")
-    chat_template: str | None = Field(None, description="Replaces the base's chat template for this name.")
-    generation: dict[str, Any] | None = Field(None, description="Defaults for parameters a request leaves out "
-                                              "(max_tokens, temperature, top_p): what the bundle was scored with.")
-    # Issue 25: former champions still served as NAME@N (most recently superseded first), and versions once served
-    # here and no longer (a pinned request for one is answered 410, not 404). Written by promote/rollback only.
-    retained: list[RetainedVersion] = Field(default_factory=list)
-    retired: list[str] = Field(default_factory=list)
-    canary: CanarySpec | None = None  # a version taking part of the plain name's traffic (promote --canary)
-    shadow: ShadowSpec | None = None  # a version getting copies of part of the traffic (promote --shadow)
-
-    def to_bytes(self) -> bytes:
-        # Without retention/canary/shadow keys when empty: such an entry stays readable by older processes.
-        empty = {k for k in ("retained", "retired", "canary", "shadow") if not getattr(self, k)}
-        return self.model_dump_json(exclude=empty or None).encode()
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> FleetEntry:
-        return cls.model_validate(json.loads(data))
-
-    def served_model(self) -> ServedModel:
-        return ServedModel(name=self.name, base=self.base, adapter=self.adapter_uri, adapter_id=self.adapter_id,
-                           profile=self.profile)
-
-
-    def retained_as_entry(self, kept: RetainedVersion) -> FleetEntry:
-        """A retained version as the live entry it once was (what a gateway routes NAME@N by)."""
-        return self.model_copy(update={
-            "base": kept.base, "adapter_id": kept.adapter_id, "adapter_uri": kept.adapter_uri, "profile": kept.profile,
-            "version": kept.version, "kind": kept.kind, "system_prompt": kept.system_prompt,
-            "chat_template": kept.chat_template, "generation": kept.generation, "retained": [], "retired": []})
-
-    def canary_as_entry(self, c: CanarySpec | None = None) -> FleetEntry | None:
-        """The canary (or the spec `c`: the shadow) as the live entry it would be (what a gateway routes by)."""
-        c = self.canary if c is None else c
-        if c is None:
-            return None
-        return self.model_copy(update={
-            "base": c.base, "adapter_id": c.adapter_id, "adapter_uri": c.adapter_uri, "profile": c.profile,
-            "version": c.version, "kind": c.kind, "system_prompt": c.system_prompt, "chat_template": c.chat_template,
-            "generation": c.generation, "retained": [], "retired": [], "canary": None, "shadow": None})
-
-    def shadow_as_entry(self) -> FleetEntry | None:
-        return self.canary_as_entry(self.shadow) if self.shadow is not None else None
-
-
-def canary_spec(candidate: FleetEntry, percent: float, now: float | None = None) -> CanarySpec:
-    """The canary that sends `percent` of the name's traffic to `candidate` (an entry as promote would write it)."""
-    return CanarySpec(version=candidate.version, percent=percent, base=candidate.base,
-                      adapter_id=candidate.adapter_id, adapter_uri=candidate.adapter_uri, profile=candidate.profile,
-                      kind=candidate.kind, system_prompt=candidate.system_prompt,
-                      chat_template=candidate.chat_template, generation=candidate.generation,
-                      started=time.time() if now is None else now)
-
-
-def route_bucket(name: str, key: str) -> float:
-    """Where a client's route key falls in [0, 100) for `name`: sha256 of both (never Python's hash(), salted per
-    process), so every gateway, before and after a restart, puts one key on the same side. A canary of P % takes
-    the keys below P, so raising P only adds keys: none switches back."""
-    digest = hashlib.sha256(f"{name}\n{key}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") * 100.0 / 2.0**64
-
-
-def takes_canary(entry: FleetEntry, key: str | None) -> bool:
-    """Whether a request of `entry.name` with this route key goes to the canary (a request without a key: never)."""
-    return entry.canary is not None and key is not None and route_bucket(entry.name, key) < entry.canary.percent
-
-
-class CanaryInProgress(FleetStateError):
-    """A promote or rollback of a name under a canary: the canary must finish or be aborted first."""
-
-
-def refuse_during_canary(entry: FleetEntry | None) -> None:
-    """CanaryInProgress when `entry` is under a canary (promote and rollback check it under the name's lock)."""
-    if (why := canary_in_progress(entry)) is not None:
-        raise CanaryInProgress(why)
-
-
-def canary_in_progress(entry: FleetEntry | None) -> str | None:
-    """Why a promote or rollback of `entry.name` must wait (a canary holds the name), or None."""
-    if entry is not None and entry.shadow is not None:
-        sh = entry.shadow
-        return (f"a shadow of {entry.name} is in progress (v{sh.version} gets copies of {sh.percent:g} % of its "
-                f"requests, champion v{entry.version}); nothing changed. End it first: `lorafleet promote "
-                f"{entry.name} --finish` or `--abort`")
-    if entry is None or entry.canary is None:
-        return None
-    c = entry.canary
-    return (f"a canary of {entry.name} is in progress (v{c.version} takes {c.percent:g} % of its traffic, champion "
-            f"v{entry.version}); nothing changed. End it first: `lorafleet promote {entry.name} --finish` or "
-            "`--abort`")
-
-
-def adapter_id_for(name: str, version: str | int) -> str:
-    return f"{name}@v{version}"
-
-
-@dataclass(frozen=True)
-class Retention:
-    """How long a former champion stays served as NAME@N after a promote or rollback: at most `seconds` after it
-    was superseded and only while it is among the `versions` most recently superseded (None: no such limit; 0
-    versions or 0 seconds: the old version is retired at once)."""
-
-    seconds: float | None = DEFAULT_RETAIN_S
-    versions: int | None = DEFAULT_RETAIN_VERSIONS
-
-    def describe(self) -> str:
-        when = "no time limit" if self.seconds is None else f"{self.seconds / 86400:g} days" \
-            if self.seconds >= 86400 else f"{self.seconds:g}s"
-        count = "any number of" if self.versions is None else str(self.versions)
-        return f"{when}, {count} former version(s)"
-
-
-def retained_live(entry: FleetEntry, now: float) -> list[RetainedVersion]:
-    """The retained versions of `entry` whose time has not run out at `now` (the gateway checks per request:
-    nobody writes the fleet state when a window ends)."""
-    return [r for r in entry.retained if r.until is None or r.until > now]
-
-
-def with_retention(old: FleetEntry | None, new: FleetEntry, retention: Retention, now: float) -> FleetEntry:
-    """The entry to write when `new` replaces `old` as the live entry: the previous champion joins the retained
-    versions (for the retention window), those past their time or beyond the count move to `retired`, and the new
-    version leaves both lists (it is live again). Pure: promote calls it under the name's lock, on the entry it
-    compare-and-sets against."""
-    kept = list(old.retained) if old is not None else []
-    retired = list(old.retired) if old is not None else []
-    if old is not None and old.version != new.version:
-        until = None if retention.seconds is None else now + retention.seconds
-        kept.insert(0, RetainedVersion(
-            version=old.version, base=old.base, adapter_id=old.adapter_id, adapter_uri=old.adapter_uri,
-            profile=old.profile, kind=old.kind, system_prompt=old.system_prompt, chat_template=old.chat_template,
-            generation=old.generation, superseded=now, until=until))
-    seen: set[str] = {new.version}
-    unique = []
-    for r in kept:  # most recently superseded first: an older record of the same version goes
-        if r.version not in seen:
-            seen.add(r.version)
-            unique.append(r)
-    live = [r for r in unique if r.until is None or r.until > now]
-    if retention.versions is not None:
-        live = live[: retention.versions]
-    gone = [r.version for r in unique if r not in live]
-    retired = [v for v in dict.fromkeys([*gone, *retired]) if v != new.version][:RETIRED_KEPT]
-    return new.model_copy(update={"retained": live, "retired": retired})
-
-
-def is_served_key(key: str) -> bool:
-    """A key that holds a served name's live entry (not the fleet file, not a staged preload)."""
-    return KEY_RE.match(key) is not None
-
-
-def preload_key(name: str) -> str:
-    return f"{PRELOAD_PREFIX}{name}"
-
-
-def served_models(entries: Iterable[FleetEntry], bases: Iterable[str]) -> list[ServedModel]:
-    """ServedModels for the entries whose base this fleet serves; the others are logged and skipped."""
-    known = set(bases)
-    out = []
-    for e in sorted(entries, key=lambda e: e.name):
-        if e.base not in known:
-            log.warning("fleet state names %s on base %s, which this fleet does not serve; ignored", e.name, e.base)
-            continue
-        if e.name in known:
-            log.warning("fleet state entry %s shadows a base model name; ignored", e.name)
-            continue
-        out.append(e.served_model())
-    return out
-
-
-def merge_models(static: Iterable[ServedModel], entries: Iterable[FleetEntry], bases: Iterable[str]
-                 ) -> list[ServedModel]:
-    """The fleet file's served models plus the promoted ones; a promoted name replaces a static one."""
-    bases = list(bases)
-    promoted = served_models(entries, bases)
-    names = {m.name for m in promoted}
-    return [m for m in static if m.name not in names] + promoted
-
-
-def by_adapter_id(entries: Iterable[FleetEntry]) -> dict[str, ServedModel]:
-    """What a worker needs per adapter id: URI and serving profile of every promoted version, the retained former
-    champions included (their pinned requests load them on demand like any adapter)."""
-    out = {}
-    for e in entries:
-        for kept in e.retained:
-            out[kept.adapter_id] = ServedModel(name=f"{e.name}@{kept.version}", base=kept.base,
-                                               adapter=kept.adapter_uri, adapter_id=kept.adapter_id,
-                                               profile=kept.profile)
-        for canary in (e.canary_as_entry(), e.shadow_as_entry()):
-            if canary is not None:
-                out[canary.adapter_id] = canary.served_model().model_copy(
-                    update={"name": f"{e.name}@{canary.version}"})
-        out[e.adapter_id] = e.served_model()
-    return out
 
 
 async def ensure_fleet_bucket(js: Any, bucket: str = FLEET_KV_BUCKET, *, replicas: int = 1) -> Any:

@@ -2,7 +2,7 @@
 
 One module, so the two sides cannot drift apart. Bodies are MessagePack maps with short,
 versioned keys; vectors travel as raw little-endian float32 bytes. Every body is decoded by the
-same strict reader (`_read`): a missing field, a field of the wrong type or an unknown version is
+same strict reader (`wire_reader.read_body`): a missing field, a field of the wrong type or an unknown version is
 a `WireError` that names the field, whichever body it is.
 
 A result carries the payload of one capability: `vector` (+ `dim`) for embed, `text` with token
@@ -21,10 +21,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-import msgpack
 import numpy as np
 
-WIRE_VERSION = 1
+from lorafleet.core.task_params import GenerateParams as GenerateParams  # re-exported: named from wire
+from lorafleet.core.task_params import ScoreParams as ScoreParams
+from lorafleet.core.wire_reader import NUMBER, REQUIRED, WIRE_VERSION, MalformedTask, WireError, pack, read_body
+from lorafleet.core.wire_reader import unpack as unpack
 
 WORK_PREFIX = "lorafleet.work"
 DLQ_PREFIX = "lorafleet.dlq"
@@ -52,14 +54,6 @@ SCORE: Final = "score"  # (query, document) pairs → one relevance float each: 
 CAPABILITIES: Final = (EMBED, GENERATE, SCORE)
 
 _TOKEN_RE = re.compile(r"[^A-Za-z0-9_-]")
-
-
-class WireError(ValueError):
-    """A body that is not a valid lorafleet message; the message names what is wrong."""
-
-
-class MalformedTask(WireError):
-    """A task body that cannot be decoded into a Task; it is terminated and dead-lettered."""
 
 
 def subject_token(name: str) -> str:
@@ -99,64 +93,10 @@ def reply_inbox(gateway_id: str, request_id: str) -> str:
     return f"{inbox_prefix(gateway_id)}.{subject_token(request_id)}"
 
 
-def pack(obj: Any) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
-
-
-def unpack(data: bytes) -> Any:
-    return msgpack.unpackb(data, raw=False, strict_map_key=True)
-
-
-# -- the one strict reader -------------------------------------------------------------------------
-
-_NUMBER = (int, float)
-_REQUIRED = object()
-
-
-def _read(data: bytes, what: str, spec: dict[str, tuple[Any, Any]], error: type[WireError] = WireError
-          ) -> dict[str, Any]:
-    """The fields of a versioned MessagePack map, checked against `spec` = {key: (types, default)}.
-
-    A default of `_REQUIRED` makes the key mandatory; a default of None also admits None. bool is
-    not accepted where a number is expected (MessagePack keeps them apart; Python does not).
-    """
-    try:
-        d = unpack(data)
-    except Exception as exc:  # msgpack raises several unrelated types
-        raise error(f"{what} is not MessagePack: {type(exc).__name__}: {exc}") from exc
-    if not isinstance(d, dict):
-        raise error(f"{what} body is not a map")
-    if d.get("v") != WIRE_VERSION:
-        raise error(f"{what} has unsupported wire version {d.get('v')!r} (this side speaks {WIRE_VERSION})")
-    return _fields(d, what, spec, error)
-
-
-def _fields(d: dict[Any, Any], what: str, spec: dict[str, tuple[Any, Any]], error: type[WireError] = WireError
-            ) -> dict[str, Any]:
-    """The checked fields of an already unpacked map (a body, or a map nested in one)."""
-    out: dict[str, Any] = {}
-    for key, (types, default) in spec.items():
-        if key not in d:
-            if default is _REQUIRED:
-                raise error(f"{what} is missing field {key!r}")
-            out[key] = default
-            continue
-        value = d[key]
-        if value is None and default is None:
-            out[key] = None
-        elif isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
-            raise error(f"{what} field {key!r} has the wrong type: bool")
-        elif not isinstance(value, types):
-            raise error(f"{what} field {key!r} has the wrong type: {type(value).__name__}")
-        else:
-            out[key] = value
-    return out
-
-
 _TASK_SPEC: Final[dict[str, tuple[Any, Any]]] = {
-    "id": (str, _REQUIRED), "rq": (str, _REQUIRED), "i": (int, _REQUIRED), "m": (str, _REQUIRED),
-    "b": (str, _REQUIRED), "t": (str, _REQUIRED), "n": (int, _REQUIRED), "dl": (_NUMBER, _REQUIRED),
-    "r": (str, _REQUIRED), "a": (str, None), "au": (str, None), "eq": (_NUMBER, 0.0), "op": (str, EMBED),
+    "id": (str, REQUIRED), "rq": (str, REQUIRED), "i": (int, REQUIRED), "m": (str, REQUIRED),
+    "b": (str, REQUIRED), "t": (str, REQUIRED), "n": (int, REQUIRED), "dl": (NUMBER, REQUIRED),
+    "r": (str, REQUIRED), "a": (str, None), "au": (str, None), "eq": (NUMBER, 0.0), "op": (str, EMBED),
     "p": (dict, None),
 }
 
@@ -203,95 +143,12 @@ class Task:
 
     @classmethod
     def from_wire(cls, data: bytes) -> Task:
-        d = _read(data, "task", _TASK_SPEC, MalformedTask)
+        d = read_body(data, "task", _TASK_SPEC, MalformedTask)
         if d["op"] not in CAPABILITIES:
             raise MalformedTask(f"task field 'op' is {d['op']!r}; expected one of {', '.join(CAPABILITIES)}")
         return cls(id=d["id"], request_id=d["rq"], index=d["i"], model=d["m"], base=d["b"], text=d["t"],
                    tokens=d["n"], deadline=d["dl"], reply=d["r"], adapter=d["a"], adapter_uri=d["au"],
                    enqueued=d["eq"], op=d["op"], params=d["p"])
-
-
-_GENERATE_SPEC: Final[dict[str, tuple[Any, Any]]] = {
-    "mt": (int, _REQUIRED), "tm": (_NUMBER, 1.0), "tp": (_NUMBER, 1.0), "sp": (list, None), "sd": (int, None),
-    "st": (bool, False), "ch": (bool, False),
-}
-
-
-@dataclass(frozen=True, slots=True)
-class GenerateParams:
-    """`Task.params` of a generate task (short keys on the wire, checked like every body).
-
-    `chat`: the gateway rendered the prompt from a chat template, which already holds the special
-    tokens, so the runtime adds none (what vLLM's own chat route does). `stream`: send text chunks
-    while generating, not only the final result.
-    """
-
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-    stream: bool = False
-    chat: bool = False
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    def to_params(self) -> dict[str, Any]:
-        p: dict[str, Any] = {"mt": self.max_tokens, "tm": self.temperature, "tp": self.top_p}
-        if self.stop:
-            p["sp"] = list(self.stop)
-        if self.seed is not None:
-            p["sd"] = self.seed
-        if self.stream:
-            p["st"] = True
-        if self.chat:
-            p["ch"] = True
-        return p
-
-    @classmethod
-    def of(cls, task: Task) -> GenerateParams:
-        """The parameters of a generate task; MalformedTask when they are missing or wrong."""
-        if task.params is None:
-            raise MalformedTask("generate task has no parameters ('p')")
-        d = _fields(task.params, "generate parameters", _GENERATE_SPEC, MalformedTask)
-        stop = d["sp"] or []
-        if not all(isinstance(x, str) and x for x in stop):
-            raise MalformedTask("generate parameter 'sp' must be a list of non-empty strings")
-        if d["mt"] < 1:
-            raise MalformedTask(f"generate parameter 'mt' must be at least 1, got {d['mt']}")
-        return cls(max_tokens=d["mt"], temperature=float(d["tm"]), top_p=float(d["tp"]), stop=tuple(stop),
-                   seed=d["sd"], stream=d["st"], chat=d["ch"])
-
-
-_SCORE_SPEC: Final[dict[str, tuple[Any, Any]]] = {"d": (list, _REQUIRED)}
-MAX_SCORE_DOCUMENTS: Final = 256  # per task; the gateway sends far fewer (gateway.rerank_chunk), a bound for the reader
-
-
-@dataclass(frozen=True, slots=True)
-class ScoreParams:
-    """`Task.params` of a score task: the documents scored against the task's `text` (the query), one float
-    each in `Result.scores`. One task carries a chunk of a rerank request's documents, not one pair: the
-    query travels once, and the chunk's pairs are batched under the worker's token budget (`Task.tokens` is
-    the chunk's padded size, pairs × longest pair)."""
-
-    documents: tuple[str, ...]
-
-    def to_params(self) -> dict[str, Any]:
-        return {"d": list(self.documents)}
-
-    @classmethod
-    def of(cls, task: Task) -> ScoreParams:
-        """The parameters of a score task; MalformedTask when they are missing or wrong."""
-        if task.params is None:
-            raise MalformedTask("score task has no parameters ('p')")
-        docs = _fields(task.params, "score parameters", _SCORE_SPEC, MalformedTask)["d"]
-        if not docs or len(docs) > MAX_SCORE_DOCUMENTS:
-            raise MalformedTask(f"score parameter 'd' must hold 1 to {MAX_SCORE_DOCUMENTS} documents, got {len(docs)}")
-        if not all(isinstance(x, str) for x in docs):
-            raise MalformedTask("score parameter 'd' must be a list of strings")
-        return cls(tuple(docs))
 
 
 # Error codes a worker can send back; the gateway maps them to HTTP statuses.
@@ -303,9 +160,9 @@ ERR_INVALID = "invalid_request"  # 400: the runtime refused the task's input or 
 
 
 _RESULT_SPEC: Final[dict[str, tuple[Any, Any]]] = {
-    "id": (str, _REQUIRED), "i": (int, _REQUIRED), "w": (str, _REQUIRED), "x": (bytes, None), "d": (int, 0),
+    "id": (str, REQUIRED), "i": (int, REQUIRED), "w": (str, REQUIRED), "x": (bytes, None), "d": (int, 0),
     "tx": (str, None), "pt": (int, 0), "ct": (int, 0), "fr": (str, None), "ec": (str, None),
-    "em": (str, None), "qm": (_NUMBER, 0.0), "bs": (int, 0),
+    "em": (str, None), "qm": (NUMBER, 0.0), "bs": (int, 0),
     "sq": (int, None), "at": (int, 0),  # optional (issue 14): streamed text
     "sc": (bytes, None),  # optional (issue 26): score, float32 little-endian, one per document of the task
 }
@@ -387,7 +244,7 @@ class Result:
 
     @classmethod
     def from_wire(cls, data: bytes) -> Result:
-        d = _read(data, "result", _RESULT_SPEC)
+        d = read_body(data, "result", _RESULT_SPEC)
         return cls(task_id=d["id"], index=d["i"], worker=d["w"], vector=d["x"], dim=d["d"], text=d["tx"],
                    prompt_tokens=d["pt"], completion_tokens=d["ct"], finish_reason=d["fr"], error_code=d["ec"],
                    error_message=d["em"], queue_ms=d["qm"], batch_size=d["bs"], seq=d["sq"], attempt=d["at"],
@@ -395,9 +252,9 @@ class Result:
 
 
 _HEARTBEAT_SPEC: Final[dict[str, tuple[Any, Any]]] = {
-    "w": (str, _REQUIRED), "b": (list, _REQUIRED), "a": (dict, _REQUIRED), "f": (int, _REQUIRED),
-    "bps": (_NUMBER, _REQUIRED), "td": (int, _REQUIRED), "pid": (int, _REQUIRED), "h": (str, _REQUIRED),
-    "ts": (_NUMBER, _REQUIRED), "dr": (bool, False),
+    "w": (str, REQUIRED), "b": (list, REQUIRED), "a": (dict, REQUIRED), "f": (int, REQUIRED),
+    "bps": (NUMBER, REQUIRED), "td": (int, REQUIRED), "pid": (int, REQUIRED), "h": (str, REQUIRED),
+    "ts": (NUMBER, REQUIRED), "dr": (bool, False),
     "sr": (dict, None),  # optional (issue 12): absent from older workers, read as {}
     "su": (dict, None), "sn": (dict, None), "kv": (dict, None),  # optional (issue 14): engine runtimes
     "pr": (dict, None),  # optional (issue 27): base → precision served
@@ -444,7 +301,7 @@ class Heartbeat:
 
     @classmethod
     def from_wire(cls, data: bytes) -> Heartbeat:
-        d = _read(data, "heartbeat", _HEARTBEAT_SPEC)
+        d = read_body(data, "heartbeat", _HEARTBEAT_SPEC)
         if not all(isinstance(b, str) for b in d["b"]):
             raise WireError("heartbeat field 'b' must be a list of strings")
         adapters = d["a"]
@@ -452,7 +309,7 @@ class Heartbeat:
                    for k, v in adapters.items()):
             raise WireError("heartbeat field 'a' must map base names to lists of adapter ids")
         rates = d["sr"] or {}
-        if not all(isinstance(k, str) and isinstance(v, _NUMBER) and not isinstance(v, bool) and v >= 0
+        if not all(isinstance(k, str) and isinstance(v, NUMBER) and not isinstance(v, bool) and v >= 0
                    for k, v in rates.items()):
             raise WireError("heartbeat field 'sr' must map base names to non-negative numbers")
         used, slots, kv = (_counts(d[k] or {}, k) for k in ("su", "sn", "kv"))
@@ -467,7 +324,7 @@ class Heartbeat:
 
 
 def _counts(d: dict[Any, Any], key: str) -> dict[str, float]:
-    if not all(isinstance(k, str) and isinstance(v, _NUMBER) and not isinstance(v, bool) and v >= 0
+    if not all(isinstance(k, str) and isinstance(v, NUMBER) and not isinstance(v, bool) and v >= 0
                for k, v in d.items()):
         raise WireError(f"heartbeat field {key!r} must map base names to non-negative numbers")
     return d

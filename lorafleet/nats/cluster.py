@@ -22,8 +22,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lorafleet.nats.auth import CredentialSet, Layout, TlsFiles
+from lorafleet.nats.auth import CredentialSet, TlsFiles
 from lorafleet.nats.client import join_urls
+from lorafleet.nats.permissions import Layout
 from lorafleet.nats.server import ClusterRoutes, NatsServer, NatsServerError, free_port
 
 CLUSTER_NAME = "lorafleet"

@@ -23,7 +23,6 @@ from typing import Any
 
 from lorafleet.nats.auth import (
     CredentialSet,
-    Layout,
     TlsFiles,
     authorization_config,
     connect_options,
@@ -32,6 +31,7 @@ from lorafleet.nats.auth import (
 )
 from lorafleet.nats.conf import conf_quote as _q
 from lorafleet.nats.conf import write_private
+from lorafleet.nats.permissions import Layout
 
 
 class NatsServerError(RuntimeError):

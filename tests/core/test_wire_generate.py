@@ -6,22 +6,13 @@ from typing import Any
 
 import pytest
 
-from lorafleet.core.wire import (
-    GENERATE,
-    GenerateParams,
-    Heartbeat,
-    MalformedTask,
-    Result,
-    Task,
-    WireError,
-    pack,
-    unpack,
-)
+from lorafleet.core import wire
+from lorafleet.core.wire import GenerateParams, Heartbeat, Result, Task, pack, unpack
 
 
 def _task(params: dict[str, Any] | None) -> Task:
     return Task(id="r.0", request_id="r", index=0, model="m", base="b", text="hi", tokens=3, deadline=1e9,
-                reply="_INBOX.gw.r", op=GENERATE, params=params)
+                reply="_INBOX.gw.r", op=wire.GENERATE, params=params)
 
 
 def test_generate_params_round_trip_and_defaults() -> None:
@@ -42,7 +33,7 @@ def test_generate_params_round_trip_and_defaults() -> None:
     ({"mt": 4, "tm": True}, "'tm' has the wrong type: bool"),
 ])
 def test_bad_generate_params_are_malformed(params: dict[str, Any] | None, match: str) -> None:
-    with pytest.raises(MalformedTask, match=match):
+    with pytest.raises(wire.MalformedTask, match=match):
         GenerateParams.of(_task(params))
 
 
@@ -57,7 +48,7 @@ def test_chunks_and_final_results() -> None:
     old = unpack(Result("r.0", 0, "w1", text="Hello", finish_reason="stop").to_wire())
     assert "sq" not in old and "at" not in old  # an older gateway reads what it always read
     assert Result.from_wire(pack({**old, "sq": -1})).check() == "result has a negative chunk sequence number -1"
-    with pytest.raises(WireError, match="'sq' has the wrong type: str"):
+    with pytest.raises(wire.WireError, match="'sq' has the wrong type: str"):
         Result.from_wire(pack({**old, "sq": "0"}))
 
 
@@ -68,5 +59,5 @@ def test_engine_heartbeat_fields() -> None:
     plain = Heartbeat(worker="w", bases=["m"], adapters={}, in_flight=0, batches_per_s=0.0, tasks_done=0, pid=1,
                       host="h", ts=1.0)
     assert "su" not in unpack(plain.to_wire()) and Heartbeat.from_wire(plain.to_wire()).slots == {}
-    with pytest.raises(WireError, match="'kv' must map base names to non-negative numbers"):
+    with pytest.raises(wire.WireError, match="'kv' must map base names to non-negative numbers"):
         Heartbeat.from_wire(pack({**unpack(hb.to_wire()), "kv": {"llm": -1}}))

@@ -158,3 +158,23 @@ def test_a_time_limit_wrapped_by_a_library_is_still_named() -> None:
     except RuntimeError as wrapped:
         assert isinstance(_time_limit_in(wrapped), TrialTimeout)
     assert _time_limit_in(ValueError("other")) is None
+
+
+def test_the_time_limit_alarm_never_raises_inside_a_finaliser() -> None:
+    # Raised in a __del__ the timeout is swallowed (and inside pytest's unraisable hook it breaks the run):
+    # the alarm waits for the next tick in ordinary code instead.
+    import signal
+
+    from lorafleet.research.objective import TrialTimeout, time_limit
+
+    seen: list[str] = []
+
+    class Finalised:
+        def __del__(self) -> None:
+            signal.raise_signal(signal.SIGALRM)
+            seen.append("finaliser ran to its end")
+
+    with pytest.raises(TrialTimeout), time_limit(60):
+        Finalised()
+        assert seen == ["finaliser ran to its end"]
+        signal.raise_signal(signal.SIGALRM)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from lorafleet.bench.common import run_in_vllm_venv
+from lorafleet.bench.shadow import build_models
 from lorafleet.core.config import FleetConfig
 from lorafleet.core.fleet_state import FleetEntry, put_entry
 from lorafleet.core.wire import FLEET_KV_BUCKET
@@ -21,21 +22,7 @@ QUESTIONS = ["The quick brown fox", "Workers pull tasks from the queue"]
 
 def build_tiny(root: Path, max_positions: int = MAX_MODEL_LEN) -> dict[str, Path]:
     """The tiny random Llama (special tokens muted: greedy output never stops early) and LoRAs "a", "b"."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    from lorafleet.testing import build_tiny_llama
-
-    base = build_tiny_llama(root / "base", mute_special_tokens=True, max_positions=max_positions)
-    paths = {"base": base}
-    for seed, name in enumerate(("a", "b"), 1):
-        torch.manual_seed(seed)
-        model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(
-            task_type="CAUSAL_LM", r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
-        model.save_pretrained(root / f"lora-{name}")
-        paths[name] = root / f"lora-{name}"
-    return paths
+    return build_models(root, max_positions)
 
 
 def fleet(tiny: dict[str, Path], runtime: str, options: dict[str, Any] | None = None, **queue: Any) -> FleetConfig:

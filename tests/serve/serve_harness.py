@@ -23,6 +23,7 @@ from lorafleet.nats.queue import ensure_consumer, ensure_streams
 from lorafleet.nats.server import free_port
 from lorafleet.serve.gateway import Gateway
 from lorafleet.serve.routes import create_app, uvicorn_config
+from lorafleet.testing import wait_until_async
 
 BASE = "all-MiniLM-L6-v2"
 
@@ -162,13 +163,4 @@ async def scripted_worker(nats_url: str, queue: QueueConfig, **kw: Any) -> Async
 
 
 async def until(cond: Callable[[], bool | Awaitable[bool]], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if not isinstance(value, bool):
-            value = await value
-        if value:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.02)
+    await wait_until_async(cond, timeout, "condition", poll_s=0.02)

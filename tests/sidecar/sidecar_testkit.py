@@ -45,16 +45,9 @@ def fleet_dict(tiny_model_dir: Path, adapters: dict[str, Path], **worker: Any) -
 
 async def until(cond: Callable[[], bool | Awaitable[bool]], timeout: float, what: str, poll_s: float = 0.02) -> None:
     """Wait for a known state (`cond` true, sync or async); AssertionError naming `what` after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if not isinstance(value, bool):
-            value = await value
-        if value:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout}s")
-        await asyncio.sleep(poll_s)
+    from lorafleet.testing import wait_until_async
+
+    await wait_until_async(cond, timeout, what, poll_s=poll_s)
 
 
 def create_streams(fleet_file: Path, nats_url: str) -> None:

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from lorafleet.tune import generative
 from lorafleet.tune.config import GenerativeTuneConfig
 from lorafleet.tune.generation_guard import GenerationDev, chosen_precision, generation_guard, judge_generation
-from lorafleet.tune.generative import GenerativeResult
+from lorafleet.tune.kinds.generation import kind as generative
+from lorafleet.tune.kinds.generation.result import GenerativeResult
 from lorafleet.tune.source import TuneSource
 
 REFS = ("Rücktritt vom Vertrag", "Kaufvertrag", "Mietminderung", "Schadensersatz")

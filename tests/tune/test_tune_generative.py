@@ -9,14 +9,14 @@ import pytest
 import yaml
 
 from lorafleet.sidecar.vllm_runtime import VllmOptions
-from lorafleet.tune import generative
 from lorafleet.tune.config import GenerativeTuneConfig
-from lorafleet.tune.generative import (
+from lorafleet.tune.kinds.generation import kind as generative
+from lorafleet.tune.kinds.generation.kind import is_generative
+from lorafleet.tune.kinds.generation.probe import GenerativeSweeper
+from lorafleet.tune.kinds.generation.result import (
     GenerativeResult,
-    GenerativeSweeper,
     cpu_loras_candidates,
     explicit,
-    is_generative,
     max_loras_candidates,
     normalise,
     recommend,

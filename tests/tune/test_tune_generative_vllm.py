@@ -15,7 +15,7 @@ import pytest
 
 from lorafleet.sidecar.vllm_install import find_vllm_venv
 from lorafleet.tune.config import GenerativeTuneConfig
-from lorafleet.tune.generative import GenerativeSweeper
+from lorafleet.tune.kinds.generation.probe import GenerativeSweeper
 from lorafleet.tune.source import TuneSource
 
 pytestmark = [

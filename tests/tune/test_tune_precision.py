@@ -20,6 +20,7 @@ from lorafleet.tune import precision as tp
 from lorafleet.tune import sweep
 from lorafleet.tune.analysis import ProfileResult
 from lorafleet.tune.config import TuneConfig
+from lorafleet.tune.kinds.retrieval import kind as retrieval
 from lorafleet.tune.source import TuneSource
 
 WORDS = ["kauf", "miete", "arbeit", "erbe", "ehe", "steuer", "straf", "bau", "haft", "zins", "pacht", "lohn"]
@@ -127,8 +128,8 @@ def test_sweep_recommends_the_fastest_qualifying_precision_and_reports_all(
         return [*tp.guard(measure, encoders, dev, max_loss=cfg.precision_max_loss,
                           min_cosine=cfg.precision_min_cosine), *rejected]
 
-    monkeypatch.setattr(sweep, "Sweeper", _FakeSweeper)
-    monkeypatch.setattr(sweep, "run_guard", fake_guard)
+    monkeypatch.setattr(retrieval, "Sweeper", _FakeSweeper)
+    monkeypatch.setattr(retrieval, "run_guard", fake_guard)
     cfg = TuneConfig(items_grid=[1, 8], wait_grid=[], inflight_grid=[], tokens_per_item_grid=[], warmup_s=0,
                      precisions=["fp32", "bf16", "int8", "fp16"], precision_profiles=2)
     adapter = make_random_adapter(tiny_model_dir, tmp_path / "adapter", seed=3)

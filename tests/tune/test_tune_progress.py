@@ -11,11 +11,12 @@ from lorafleet.core.config import ServingProfile
 from lorafleet.tune import sweep
 from lorafleet.tune.analysis import ProfileResult
 from lorafleet.tune.config import TuneConfig
+from lorafleet.tune.kinds.retrieval import kind as retrieval
 from lorafleet.tune.source import TuneSource
 
 
 class _FakeSweeper:
-    """Pure logic of the staged sweep: throughput from the profile, no cluster (the real one is sweep.Sweeper)."""
+    """Pure logic of the staged sweep: throughput from the profile, no cluster (the real one is batching.Sweeper)."""
 
     def __init__(self, source: TuneSource, cfg: TuneConfig, work_dir: Path, say: object) -> None:
         self.baseline_rps = 10.0
@@ -35,7 +36,7 @@ class _FakeSweeper:
 
 
 def test_each_profile_is_announced_as_i_of_at_most_n(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sweep, "Sweeper", _FakeSweeper)
+    monkeypatch.setattr(retrieval, "Sweeper", _FakeSweeper)
     cfg = TuneConfig(items_grid=[1, 8], wait_grid=[0.0], inflight_grid=[], tokens_per_item_grid=[], warmup_s=0)
     lines: list[str] = []
     source = TuneSource(tmp_path / "adapter", "/models/tiny", "tiny", None, "x")
@@ -65,7 +66,7 @@ class _FakeGenerativeSweeper:
     def stop(self) -> None: ...
 
     def measure(self, options: dict, phase: str, restart_s: float) -> object:
-        from lorafleet.tune.generative import GenerativeResult
+        from lorafleet.tune.kinds.generation.result import GenerativeResult
 
         return GenerativeResult(options=options, phase=phase, tokens_per_s=float(options.get("max_num_seqs", 1)),
                                 ttft_p50_ms=5.0, ttft_p99_ms=10.0, itl_p50_ms=1.0, itl_p99_ms=2.0, peak_rss_mb=100.0)
@@ -73,8 +74,8 @@ class _FakeGenerativeSweeper:
 
 def test_each_generative_profile_is_announced_as_i_of_at_most_n(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    from lorafleet.tune import generative
     from lorafleet.tune.config import GenerativeTuneConfig
+    from lorafleet.tune.kinds.generation import kind as generative
 
     monkeypatch.setattr(generative, "GenerativeSweeper", _FakeGenerativeSweeper)
     cfg = GenerativeTuneConfig(seqs_grid=[8, 16], batched_tokens_grid=[512], slots_grid=[1.0], adapters=1,

@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 
 from lorafleet.core.config import ServingProfile
 from lorafleet.tune.config import TuneConfig
-from lorafleet.tune.score import is_score, rerank_bodies
+from lorafleet.tune.kinds.rerank.kind import is_score
+from lorafleet.tune.kinds.rerank.load import rerank_bodies
 from lorafleet.tune.source import from_adapter_dir
 
 

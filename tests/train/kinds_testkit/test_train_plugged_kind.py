@@ -1,4 +1,5 @@
-"""A fourth kind plugs in through its folder and an entry point alone, and `lorafleet train` runs it in the one loop.
+"""A fourth kind plugs in through its folder and an entry point alone: `lorafleet train` runs it in the one loop, and
+tune's one sweep driver runs its tune strategy (`toykind/tune.py`).
 
 The kind (`toykind/`, next to this file) uses only the public plugin interface; it is registered the way an
 installed package registers one: a `*.dist-info/entry_points.txt` on sys.path, written here into a temp folder.
@@ -24,7 +25,9 @@ def toy_kind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[object
     dist = tmp_path / "site" / "lorafleet_toykind-0.1.dist-info"
     dist.mkdir(parents=True)
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: lorafleet-toykind\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text("[lorafleet.tasks]\ntoy-pairs = toykind:ToyKind\n")
+    # The toy package registers its train kind and its tune strategy, as an installed kind would.
+    (dist / "entry_points.txt").write_text("[lorafleet.tasks]\ntoy-pairs = toykind:ToyKind\n\n"
+                                           "[lorafleet.tune_kinds]\ntoy-pairs = toykind.tune:ToyTune\n")
     monkeypatch.syspath_prepend(str(KIT))
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     plugins._entries.cache_clear()
@@ -86,3 +89,32 @@ def test_research_drives_the_new_kind_and_looks_at_test_once(toy_kind: object, t
     assert "test_top1" in result.winner_metrics
     looks = [(split, epoch) for split, epoch in toy_kind.LOOKED if split == "test"]  # type: ignore[attr-defined]
     assert looks == [("test", -1)]  # trials see dev only; research scores its winner on test once
+
+
+def test_a_new_kind_tunes_in_the_one_driver_through_its_entry_point_alone(toy_kind: object, tmp_path: Path) -> None:
+    import yaml
+
+    from lorafleet.tune.config import TuneConfig
+    from lorafleet.tune.kind import kind_for, tune_kind_names
+    from lorafleet.tune.source import TuneSource
+    from lorafleet.tune.sweep import run_tune
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"task_type": "TOY_PAIRS"}))
+    source = TuneSource(adapter, "/models/toy", "toy", None, "toy")
+    assert "toy-pairs" in tune_kind_names() and type(kind_for(source)).__module__ == "toykind.tune"
+
+    lines: list[str] = []
+    out = tmp_path / "out"
+    toy_tune = importlib.import_module("toykind.tune")
+    toy_tune.STARTS.clear()
+    result = run_tune(source, TuneConfig(), out, say=lines.append)
+
+    assert toy_tune.STARTS == [{"batch": 1}]  # type: ignore[attr-defined]  # started once, at the baseline
+    assert [(r.phase, r.candidate["batch"]) for r in result["results"]] == \
+        [("baseline", 1), ("batch", 2), ("batch", 4), ("batch", 8), ("batch", 16)]  # 4 measured once
+    assert result["best"] == {"batch": 8} and yaml.safe_load((out / "profile.yaml").read_text()) == {"batch": 8}
+    assert [q.precision for q in result["quality"]] == ["fp32"]  # the default guard: fp32, nothing judged
+    assert lines[0] == "tune (toy pairs): toy" and sum(ln.startswith("  profile ") for ln in lines) == 5
+    assert not (out / ".work").exists()
